@@ -1,0 +1,31 @@
+# PGXS build for the idempotency extension.
+#
+# The install script idempotency--1.0.sql is assembled from one fragment per
+# subsystem in sql/ext/ (in name order), so each subsystem keeps its SQL next
+# to nothing else's.  Tests are run by test/run-tests, which drives
+# pg_regress, pg_isolation_regress, prove and pg_prove against real servers.
+
+EXTENSION = idempotency
+MODULE_big = idempotency
+OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
+DATA_built = idempotency--1.0.sql
+PG_CPPFLAGS = -Isrc
+PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter -Wno-sign-compare -Wno-missing-field-initializers
+
+EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
+
+# regression tests: sql/<name>.sql with expected/<name>.out
+REGRESS = $(basename $(notdir $(sort $(wildcard sql/*.sql))))
+ISOLATION = $(basename $(notdir $(sort $(wildcard test/isolation/specs/*.spec))))
+
+# no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
+override with_llvm = no
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs)
+include $(PGXS)
+
+idempotency--1.0.sql: $(EXT_SQL)
+	cat $(EXT_SQL) > $@
+
+$(OBJS): $(wildcard src/*.h)

@@ -1,0 +1,55 @@
+-- Claims: the dedup marker.
+--
+-- idempotency.claims is the inheritance parent of the time partitions and the
+-- place to query claims with SQL.  idem_claim() writes straight into the
+-- partitions (never into the parent) under its own cross-partition value
+-- lock; see src/claims.c.  Privileges on idempotency.claims decide who may
+-- claim (INSERT), look up (SELECT) and release (DELETE).
+
+CREATE TABLE idempotency.claims (
+    scope       text COLLATE "C" NOT NULL,
+    key         text COLLATE "C" NOT NULL,
+    claimed_at  timestamptz NOT NULL,
+    fingerprint bigint          -- hash of the claim's payload, if one was given
+);
+COMMENT ON TABLE idempotency.claims IS
+    'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';
+
+CREATE FUNCTION idempotency.claims_read_only() RETURNS trigger
+    LANGUAGE plpgsql AS
+$$
+BEGIN
+    RAISE EXCEPTION 'cannot insert into idempotency.claims directly'
+        USING ERRCODE = 'feature_not_supported',
+              HINT = 'Claim keys with idem_claim() or idem_claim_many().';
+END
+$$;
+
+CREATE TRIGGER claims_read_only
+    BEFORE INSERT ON idempotency.claims
+    FOR EACH ROW EXECUTE FUNCTION idempotency.claims_read_only();
+
+CREATE FUNCTION idem_claim(key text, scope text DEFAULT 'default', payload jsonb DEFAULT NULL)
+    RETURNS boolean
+    AS 'MODULE_PATHNAME', 'idem_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_claim_many(keys text[], scope text DEFAULT 'default')
+    RETURNS SETOF text
+    AS 'MODULE_PATHNAME', 'idem_claim_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_claimed(key text, scope text DEFAULT 'default')
+    RETURNS timestamptz
+    AS 'MODULE_PATHNAME', 'idem_claimed' LANGUAGE C STABLE PARALLEL RESTRICTED;
+
+CREATE FUNCTION idem_release(key text, scope text DEFAULT 'default')
+    RETURNS boolean
+    AS 'MODULE_PATHNAME', 'idem_release' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idem_claim(text, text, jsonb) IS
+    'claim (scope, key) in the calling transaction: true = apply the effect, false = duplicate';
+COMMENT ON FUNCTION idem_claim_many(text[], text) IS
+    'claim a batch of keys; returns the keys this call newly claimed, in input order';
+COMMENT ON FUNCTION idem_claimed(text, text) IS
+    'when (scope, key) was claimed, or NULL';
+COMMENT ON FUNCTION idem_release(text, text) IS
+    'forget the claim on (scope, key) so it can be processed again';

@@ -1,0 +1,7 @@
+/* claims.c: placeholder, being written */
+#include "idempotency.h"
+
+void
+idem_claims_init(void)
+{
+}

@@ -1,0 +1,58 @@
+/*-------------------------------------------------------------------------
+ *
+ * idempotency.c
+ *	  Entry point of the idempotency extension.
+ *
+ * _PG_init only hands off to each subsystem's init function; the helpers
+ * here are the few that every subsystem needs (finding the extension's own
+ * schema and relations).  Nothing here takes locks beyond catalog lookups.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idempotency.h"
+
+#include "catalog/namespace.h"
+#include "fmgr.h"
+#include "utils/lsyscache.h"
+
+PG_MODULE_MAGIC;
+
+void		_PG_init(void);
+
+void
+_PG_init(void)
+{
+	idem_claims_init();
+	idem_retention_init();
+	idem_guards_init();
+}
+
+/*
+ * OID of schema "idempotency"; errors out if the extension is not installed
+ * in this database.
+ */
+Oid
+idem_schema_oid(void)
+{
+	Oid			nspid = get_namespace_oid(IDEM_SCHEMA, true);
+
+	if (!OidIsValid(nspid))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("extension \"idempotency\" is not installed in this database")));
+	return nspid;
+}
+
+/* OID of relation idempotency.<relname>, which must exist. */
+Oid
+idem_internal_relid(const char *relname)
+{
+	Oid			relid = get_relname_relid(relname, idem_schema_oid());
+
+	if (!OidIsValid(relid))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("relation \"%s.%s\" does not exist", IDEM_SCHEMA, relname),
+				 errhint("The idempotency extension may be damaged; reinstall it.")));
+	return relid;
+}

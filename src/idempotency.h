@@ -1,0 +1,61 @@
+/*-------------------------------------------------------------------------
+ *
+ * idempotency.h
+ *	  Declarations shared by the subsystems of the idempotency extension.
+ *
+ * Each subsystem lives in its own file with its own prefix: claims.c,
+ * retention.c, guards.c, worker.c.  idempotency.c holds only _PG_init and
+ * the few helpers every subsystem uses.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_H
+#define IDEMPOTENCY_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+#include "utils/elog.h"
+
+/* Name of the schema that holds the extension's tables and internals. */
+#define IDEM_SCHEMA "idempotency"
+
+/* SQLSTATEs of class IK (SPEC.md section 7). */
+#define ERRCODE_IDEM_KEY_REUSED			MAKE_SQLSTATE('I','K','0','0','1')
+#define ERRCODE_IDEM_REQUEST_IN_PROGRESS	MAKE_SQLSTATE('I','K','0','0','2')
+#define ERRCODE_IDEM_LEASE_LOST			MAKE_SQLSTATE('I','K','0','0','3')
+#define ERRCODE_IDEM_STALE_VERSION		MAKE_SQLSTATE('I','K','0','0','4')
+#define ERRCODE_IDEM_INVALID_TRANSITION	MAKE_SQLSTATE('I','K','0','0','5')
+
+/* idempotency.c: helpers shared by the subsystems */
+extern Oid	idem_schema_oid(void);
+extern Oid	idem_internal_relid(const char *relname);
+
+/* claims.c */
+extern void idem_claims_init(void);
+
+/* retention.c: the partition registry and its per-backend cache */
+typedef struct IdemPartition
+{
+	Oid			relid;			/* partition table */
+	Oid			indexid;		/* its unique index on (scope, key), or
+								 * InvalidOid until first opened */
+	TimestampTz lower;			/* claims made at or after ... */
+	TimestampTz upper;			/* ... and before this go here */
+	bool		sealed;			/* no more claims will go here */
+} IdemPartition;
+
+typedef struct IdemPartitionSet
+{
+	Oid			claims_relid;	/* idempotency.claims, the parent */
+	int			nparts;
+	IdemPartition *parts;		/* sorted by lower, newest first */
+} IdemPartitionSet;
+
+extern IdemPartitionSet *idem_partition_set(bool fresh);
+extern void idem_retention_init(void);
+
+/* guards.c */
+extern void idem_guards_init(void);
+
+#endif							/* IDEMPOTENCY_H */

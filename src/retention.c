@@ -1,0 +1,7 @@
+/* retention.c: placeholder, being written */
+#include "idempotency.h"
+
+void
+idem_retention_init(void)
+{
+}
