@@ -48,6 +48,7 @@ typedef struct IdemPartition
 typedef struct IdemPartitionSet
 {
 	Oid			claims_relid;	/* idempotency.claims, the parent */
+	int64		retention;		/* microseconds; older partitions are dead */
 	int			nparts;
 	IdemPartition *parts;		/* sorted by lower, newest first */
 } IdemPartitionSet;

@@ -1,7 +1,620 @@
-/* retention.c: placeholder, being written */
+/*-------------------------------------------------------------------------
+ *
+ * retention.c
+ *	  Time partitions of the claims table: the registry, its per-backend
+ *	  cache, partition creation, idem_configure() and idem_maintain().
+ *
+ * Claims are stored in plain tables that inherit from idempotency.claims,
+ * one per time range.  idempotency.partition_registry lists them with their
+ * ranges; claimers never read it per claim but keep a cache that a statement
+ * trigger on the registry invalidates (a relcache invalidation of the
+ * registry, delivered to every backend at the registry writer's commit).
+ *
+ * Locking rules:
+ *	- Claimers take only AccessShareLock on the registry (while rebuilding
+ *	  the cache) and weak locks on partitions; nothing here makes them wait.
+ *	- Creating a partition takes ShareUpdateExclusiveLock on the parent
+ *	  (CREATE TABLE ... INHERITS), which claimers never lock.
+ *	- A partition is dropped only after it has been marked expired in the
+ *	  registry, and only under a conditional AccessExclusiveLock: a claimer
+ *	  or reader still using it makes maintenance skip it until a later round,
+ *	  so claimers never queue behind a drop.
+ *	- Concurrent idem_maintain() calls are serialised by a transaction-level
+ *	  advisory lock taken with try semantics: the loser returns at once.
+ *
+ * Claims must never fail for want of a partition: when maintenance lags and
+ * no partition covers the current time, claims go into the newest partition,
+ * and the next maintenance round extends that partition's upper bound before
+ * creating new ones, so retention still counts from the last claim in it.
+ *
+ *-------------------------------------------------------------------------
+ */
 #include "idempotency.h"
+
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/relation.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "catalog/pg_type.h"
+#include "commands/extension.h"
+#include "common/pg_prng.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
+#include "utils/datetime.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+#include "commands/trigger.h"
+
+PG_FUNCTION_INFO_V1(idem_registry_changed);
+PG_FUNCTION_INFO_V1(idem_configure);
+PG_FUNCTION_INFO_V1(idem_maintain);
+
+/* Registry columns */
+#define Anum_registry_relid		1
+#define Anum_registry_lower		2
+#define Anum_registry_upper		3
+#define Anum_registry_sealed	4
+
+/* Settings columns */
+#define Anum_settings_retention	2
+
+/* Defaults when idempotency.settings has no row (SPEC.md section 2) */
+#define DEFAULT_RETENTION_SECS		(7 * SECS_PER_DAY)
+#define DEFAULT_INTERVAL_SECS		SECS_PER_DAY
+#define DEFAULT_PREMAKE				4
+#define MAX_PREMAKE					1000
+
+/* field4 of our advisory locktags; user advisory locks use 1 and 2 */
+#define IDEM_LOCKTAG_MAINTAIN		0x494D
+
+typedef struct IdemSettings
+{
+	int64		retention;		/* seconds */
+	int64		interval;		/* seconds */
+	int			premake;
+} IdemSettings;
+
+static int64
+interval_seconds(Interval *iv)
+{
+	/* months count as 30 days, as in EXTRACT(EPOCH FROM interval) */
+	return iv->time / USECS_PER_SEC +
+		(int64) iv->day * SECS_PER_DAY +
+		(int64) iv->month * DAYS_PER_MONTH * SECS_PER_DAY;
+}
+
+/*---- per-backend cache of the registry ----*/
+static MemoryContext partition_cxt = NULL;
+static IdemPartitionSet *partition_cache = NULL;
+static Oid	registry_relid = InvalidOid;
+
+static void
+partition_cache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == registry_relid)
+		partition_cache = NULL;
+}
 
 void
 idem_retention_init(void)
 {
+	CacheRegisterRelcacheCallback(partition_cache_callback, (Datum) 0);
+}
+
+static int
+partition_newest_first(const void *a, const void *b)
+{
+	const IdemPartition *pa = a;
+	const IdemPartition *pb = b;
+
+	if (pa->lower != pb->lower)
+		return pa->lower > pb->lower ? -1 : 1;
+	return pa->relid > pb->relid ? -1 : (pa->relid < pb->relid ? 1 : 0);
+}
+
+/* The retention setting, read without SPI (claimers cache it). */
+static int64
+read_retention(Snapshot snap)
+{
+	Relation	rel = table_open(idem_internal_relid("settings"), AccessShareLock);
+	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
+	HeapTuple	tup = heap_getnext(scan, ForwardScanDirection);
+	int64		secs = DEFAULT_RETENTION_SECS;
+
+	if (tup != NULL)
+	{
+		bool		isnull;
+		Datum		d = heap_getattr(tup, Anum_settings_retention,
+									 RelationGetDescr(rel), &isnull);
+
+		if (!isnull)
+			secs = interval_seconds(DatumGetIntervalP(d));
+	}
+	table_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return secs;
+}
+
+/* Read the registry with a fresh snapshot into a new cache. */
+static IdemPartitionSet *
+build_partition_set(void)
+{
+	Oid			nspid = idem_schema_oid();
+	Oid			regid = idem_internal_relid("partition_registry");
+	Relation	rel;
+	Snapshot	snap;
+	TableScanDesc scan;
+	HeapTuple	tup;
+	IdemPartitionSet *set;
+	MemoryContext oldcxt;
+	int			cap = 16;
+
+	if (partition_cxt == NULL)
+		partition_cxt = AllocSetContextCreate(CacheMemoryContext,
+											  "idempotency partitions",
+											  ALLOCSET_SMALL_SIZES);
+	else
+		MemoryContextReset(partition_cxt);
+	partition_cache = NULL;
+	registry_relid = regid;
+
+	rel = table_open(regid, AccessShareLock);
+	snap = RegisterSnapshot(GetLatestSnapshot());
+
+	oldcxt = MemoryContextSwitchTo(partition_cxt);
+	set = palloc0(sizeof(IdemPartitionSet));
+	set->claims_relid = get_relname_relid("claims", nspid);
+	set->retention = read_retention(snap) * USECS_PER_SEC;
+	set->parts = palloc(cap * sizeof(IdemPartition));
+
+	scan = table_beginscan(rel, snap, 0, NULL);
+	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		Datum		values[4];
+		bool		nulls[4];
+		IdemPartition *p;
+
+		heap_deform_tuple(tup, RelationGetDescr(rel), values, nulls);
+		if (set->nparts == cap)
+		{
+			cap *= 2;
+			set->parts = repalloc(set->parts, cap * sizeof(IdemPartition));
+		}
+		p = &set->parts[set->nparts++];
+		p->relid = DatumGetObjectId(values[Anum_registry_relid - 1]);
+		p->indexid = InvalidOid;
+		p->lower = DatumGetTimestampTz(values[Anum_registry_lower - 1]);
+		p->upper = DatumGetTimestampTz(values[Anum_registry_upper - 1]);
+		p->sealed = DatumGetBool(values[Anum_registry_sealed - 1]);
+	}
+	table_endscan(scan);
+	MemoryContextSwitchTo(oldcxt);
+
+	UnregisterSnapshot(snap);
+	table_close(rel, AccessShareLock);
+
+	qsort(set->parts, set->nparts, sizeof(IdemPartition), partition_newest_first);
+	partition_cache = set;
+	return set;
+}
+
+/*
+ * The live partitions, newest first.  With fresh = true the registry is
+ * re-read even if no invalidation arrived (claimers do this when no cached
+ * partition covers the current time).  The result stays valid until the
+ * next call.
+ */
+IdemPartitionSet *
+idem_partition_set(bool fresh)
+{
+	AcceptInvalidationMessages();
+	if (partition_cache == NULL || fresh)
+		return build_partition_set();
+	return partition_cache;
+}
+
+/*
+ * Statement trigger on the registry and the settings: make every backend
+ * drop its cached partition set when either changes (a relcache invalidation
+ * of the registry, sent at commit and applied locally at the next command).
+ */
+Datum
+idem_registry_changed(PG_FUNCTION_ARGS)
+{
+	TriggerData *trigdata = (TriggerData *) fcinfo->context;
+
+	if (!CALLED_AS_TRIGGER(fcinfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("idempotency.registry_changed() must be called as a trigger")));
+	(void) trigdata;
+	CacheInvalidateRelcacheByRelid(idem_internal_relid("partition_registry"));
+	PG_RETURN_POINTER(NULL);
+}
+
+/*---- settings ----*/
+
+static Interval *
+seconds_interval(int64 secs)
+{
+	Interval   *iv = palloc0(sizeof(Interval));
+
+	iv->time = secs * USECS_PER_SEC;
+	return iv;
+}
+
+/* Current settings; needs an SPI connection. */
+static IdemSettings
+read_settings(void)
+{
+	IdemSettings s = {DEFAULT_RETENTION_SECS, DEFAULT_INTERVAL_SECS, DEFAULT_PREMAKE};
+
+	if (SPI_execute("SELECT retention, partition_interval, premake"
+					" FROM idempotency.settings", true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read idempotency.settings");
+	if (SPI_processed == 1)
+	{
+		bool		isnull;
+		HeapTuple	tup = SPI_tuptable->vals[0];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+
+		s.retention = interval_seconds(DatumGetIntervalP(SPI_getbinval(tup, desc, 1, &isnull)));
+		s.interval = interval_seconds(DatumGetIntervalP(SPI_getbinval(tup, desc, 2, &isnull)));
+		s.premake = DatumGetInt32(SPI_getbinval(tup, desc, 3, &isnull));
+	}
+	return s;
+}
+
+/* Only the owner of idempotency.claims (or a superuser) may reshape storage. */
+static void
+check_maintenance_privilege(const char *what)
+{
+	Oid			claims = idem_internal_relid("claims");
+
+	if (!pg_class_ownercheck(claims, GetUserId()))
+		ereport(ERROR,
+				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+				 errmsg("permission denied to %s", what),
+				 errdetail("Only the owner of table idempotency.claims may manage its partitions.")));
+}
+
+/*---- partition creation ----*/
+
+static Datum
+timestamptz_datum(TimestampTz t)
+{
+	return TimestampTzGetDatum(t);
+}
+
+/* Run one utility or DML statement through SPI, with arguments. */
+static void
+spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected)
+{
+	int			rc = SPI_execute_with_args(sql, nargs, types, values, NULL, false, 0);
+
+	if (rc != expected)
+		elog(ERROR, "SPI_execute_with_args failed (%d): %s", rc, sql);
+}
+
+/*
+ * Create one partition for [lower, upper) and register it.  The name carries
+ * the lower bound and a random suffix, so a restored dump never collides
+ * with partitions that CREATE EXTENSION made in the target database.
+ */
+static char *
+create_partition(TimestampTz lower, TimestampTz upper)
+{
+	struct pg_tm tm;
+	fsec_t		fsec;
+	char		relname[NAMEDATALEN];
+	char	   *qualified;
+	StringInfoData sql;
+	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[3];
+	bool		save_creating = creating_extension;
+	Oid			save_extension = CurrentExtensionObject;
+
+	if (timestamp2tm(lower, NULL, &tm, &fsec, NULL, NULL) != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_DATETIME_VALUE_OUT_OF_RANGE),
+				 errmsg("timestamp out of range")));
+	snprintf(relname, sizeof(relname), "claims_%04d%02d%02d_%02d%02d%02d_%08x",
+			 tm.tm_year, tm.tm_mon, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+			 (unsigned int) pg_prng_uint32(&pg_global_prng_state));
+	qualified = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+
+	/*
+	 * Partitions are data, not part of the extension: pg_dump must dump them
+	 * like user tables.  So even when the install script creates the first
+	 * ones, they must not become extension members.
+	 */
+	creating_extension = false;
+	CurrentExtensionObject = InvalidOid;
+	PG_TRY();
+	{
+		initStringInfo(&sql);
+		appendStringInfo(&sql, "CREATE TABLE %s () INHERITS (%s.claims)",
+						 qualified, IDEM_SCHEMA);
+		spi_exec(sql.data, 0, NULL, NULL, SPI_OK_UTILITY);
+
+		resetStringInfo(&sql);
+		appendStringInfo(&sql, "CREATE UNIQUE INDEX ON %s (scope, key)", qualified);
+		spi_exec(sql.data, 0, NULL, NULL, SPI_OK_UTILITY);
+	}
+	PG_FINALLY();
+	{
+		creating_extension = save_creating;
+		CurrentExtensionObject = save_extension;
+	}
+	PG_END_TRY();
+
+	values[0] = CStringGetTextDatum(qualified);
+	values[1] = timestamptz_datum(lower);
+	values[2] = timestamptz_datum(upper);
+	spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
+			 " VALUES ($1::pg_catalog.regclass, $2, $3)",
+			 3, types, values, SPI_OK_INSERT);
+	return qualified;
+}
+
+typedef struct MaintainReport
+{
+	Tuplestorestate *store;
+	TupleDesc	desc;
+} MaintainReport;
+
+static void
+report_action(MaintainReport *rep, const char *action, const char *object)
+{
+	Datum		values[2];
+	bool		nulls[2] = {false, false};
+
+	if (rep == NULL)
+		return;
+	values[0] = CStringGetTextDatum(action);
+	values[1] = CStringGetTextDatum(object);
+	tuplestore_putvalues(rep->store, rep->desc, values, nulls);
+}
+
+static TimestampTz
+add_seconds(TimestampTz t, int64 secs)
+{
+	return t + secs * USECS_PER_SEC;
+}
+
+/*
+ * Make sure partitions cover [now, now + premake intervals).  If the newest
+ * partition ends in the past (maintenance lagged), claims have been going
+ * into it: extend its upper bound past now instead of leaving a gap, so its
+ * retention counts from its last claims.
+ */
+static void
+ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
+{
+	TimestampTz newest_upper = 0;
+	bool		have_newest = false;
+	Oid			newest_relid = InvalidOid;
+	TimestampTz next;
+	TimestampTz horizon = add_seconds(now, s->interval * s->premake);
+	int64		iv_usecs = s->interval * USECS_PER_SEC;
+
+	if (SPI_execute("SELECT relid, upper FROM idempotency.partition_registry"
+					" ORDER BY upper DESC, lower DESC LIMIT 1", true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read idempotency.partition_registry");
+	if (SPI_processed == 1)
+	{
+		bool		isnull;
+
+		newest_relid = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[0],
+													  SPI_tuptable->tupdesc, 1, &isnull));
+		newest_upper = DatumGetTimestampTz(SPI_getbinval(SPI_tuptable->vals[0],
+														 SPI_tuptable->tupdesc, 2, &isnull));
+		have_newest = true;
+	}
+
+	/* the next interval boundary on the grid, at least a second ahead */
+	next = now - (now % iv_usecs) + iv_usecs;
+	if (next - now < USECS_PER_SEC)
+		next += iv_usecs;
+
+	if (!have_newest)
+	{
+		/* first partition covers the current interval */
+		TimestampTz lower = next - iv_usecs;
+
+		if (lower > now)
+			lower -= iv_usecs;
+		report_action(rep, "create", create_partition(lower, next));
+		newest_upper = next;
+	}
+	else if (newest_upper <= now)
+	{
+		Oid			types[2] = {OIDOID, TIMESTAMPTZOID};
+		Datum		values[2] = {ObjectIdGetDatum(newest_relid), timestamptz_datum(next)};
+
+		spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
+				 2, types, values, SPI_OK_UPDATE);
+		report_action(rep, "extend", get_rel_name(newest_relid) ?
+					  psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(get_rel_name(newest_relid))) : "?");
+		newest_upper = next;
+	}
+
+	while (newest_upper < horizon)
+	{
+		TimestampTz upper = add_seconds(newest_upper, s->interval);
+
+		report_action(rep, "create", create_partition(newest_upper, upper));
+		newest_upper = upper;
+	}
+}
+
+/*
+ * Drop partitions whose every claim is older than the retention window.
+ * Claimers stop probing such partitions by themselves (they know the
+ * retention), so normally nobody holds a lock on them; a reader of
+ * idempotency.claims might, so the AccessExclusiveLock is taken
+ * conditionally and a busy partition waits for a later round.
+ */
+static void
+drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
+{
+	Oid			types[1] = {TIMESTAMPTZOID};
+	Datum		values[1] = {timestamptz_datum(add_seconds(now, -s->retention))};
+	uint64		n;
+	Oid		   *victims;
+
+	/* never the newest partition: lagging claims may still go there */
+	if (SPI_execute_with_args("SELECT relid FROM idempotency.partition_registry"
+							  " WHERE upper <= $1 AND relid <> ("
+							  "   SELECT relid FROM idempotency.partition_registry"
+							  "   ORDER BY upper DESC, lower DESC LIMIT 1)"
+							  " ORDER BY lower",
+							  1, types, values, NULL, true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read idempotency.partition_registry");
+	n = SPI_processed;
+	victims = palloc(sizeof(Oid) * (n + 1));
+	for (uint64 i = 0; i < n; i++)
+	{
+		bool		isnull;
+
+		victims[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
+													SPI_tuptable->tupdesc, 1, &isnull));
+	}
+
+	for (uint64 i = 0; i < n; i++)
+	{
+		Oid			relid = victims[i];
+		char	   *relname = get_rel_name(relid);
+		char	   *qualified;
+		Oid			dtypes[1] = {OIDOID};
+		Datum		dvalues[1] = {ObjectIdGetDatum(relid)};
+
+		if (relname == NULL)
+		{
+			/* table already gone (dropped by hand): forget it */
+			spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
+					 1, dtypes, dvalues, SPI_OK_DELETE);
+			continue;
+		}
+		qualified = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+		if (!ConditionalLockRelationOid(relid, AccessExclusiveLock))
+		{
+			report_action(rep, "skip drop (in use)", qualified);
+			continue;
+		}
+		spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
+				 1, dtypes, dvalues, SPI_OK_DELETE);
+		spi_exec(psprintf("DROP TABLE %s", qualified), 0, NULL, NULL, SPI_OK_UTILITY);
+		report_action(rep, "drop", qualified);
+	}
+}
+
+/* One maintenance round; returns false if another session holds the lock. */
+static bool
+maintain(MaintainReport *rep, bool wait)
+{
+	LOCKTAG		tag;
+	IdemSettings s;
+	TimestampTz now;
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, IDEM_LOCKTAG_MAINTAIN);
+	if (LockAcquire(&tag, ExclusiveLock, false, !wait) == LOCKACQUIRE_NOT_AVAIL)
+		return false;
+
+	SPI_connect();
+	s = read_settings();
+	now = GetCurrentTimestamp();
+	ensure_partitions(&s, now, rep);
+	drop_expired(&s, now, rep);
+	SPI_finish();
+	return true;
+}
+
+/*
+ * idem_configure(retention, partition_interval, premake): validate, store,
+ * and create the partitions the new settings call for.  NULL keeps a value.
+ */
+Datum
+idem_configure(PG_FUNCTION_ARGS)
+{
+	IdemSettings s;
+	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
+	Datum		values[3];
+
+	check_maintenance_privilege("configure idempotency");
+
+	SPI_connect();
+	s = read_settings();
+	if (!PG_ARGISNULL(0))
+		s.retention = interval_seconds(PG_GETARG_INTERVAL_P(0));
+	if (!PG_ARGISNULL(1))
+	{
+		Interval   *iv = PG_GETARG_INTERVAL_P(1);
+
+		if (iv->time % USECS_PER_SEC != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("partition_interval must be a whole number of seconds")));
+		s.interval = interval_seconds(iv);
+	}
+	if (!PG_ARGISNULL(2))
+		s.premake = PG_GETARG_INT32(2);
+
+	if (s.interval < 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("partition_interval must be at least 1 second")));
+	if (s.retention < s.interval)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention must not be shorter than partition_interval"),
+				 errdetail("retention is %lld seconds, partition_interval %lld seconds.",
+						   (long long) s.retention, (long long) s.interval)));
+	if (s.premake < 1 || s.premake > MAX_PREMAKE)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("premake must be between 1 and %d", MAX_PREMAKE)));
+
+	values[0] = IntervalPGetDatum(seconds_interval(s.retention));
+	values[1] = IntervalPGetDatum(seconds_interval(s.interval));
+	values[2] = Int32GetDatum(s.premake);
+	spi_exec("INSERT INTO idempotency.settings AS s (retention, partition_interval, premake)"
+			 " VALUES ($1, $2, $3) ON CONFLICT (singleton) DO UPDATE"
+			 " SET retention = EXCLUDED.retention,"
+			 "     partition_interval = EXCLUDED.partition_interval,"
+			 "     premake = EXCLUDED.premake",
+			 3, types, values, SPI_OK_INSERT);
+	SPI_finish();
+
+	/* new settings take effect now: premake under them (waits for a running round) */
+	maintain(NULL, true);
+	PG_RETURN_VOID();
+}
+
+/*
+ * idem_maintain(): one maintenance round, one row per action taken.  Returns
+ * no rows at once if another session is maintaining this database.
+ */
+Datum
+idem_maintain(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	MaintainReport rep;
+
+	check_maintenance_privilege("maintain idempotency partitions");
+	InitMaterializedSRF(fcinfo, 0);
+	rep.store = rsinfo->setResult;
+	rep.desc = rsinfo->setDesc;
+	maintain(&rep, false);
+	return (Datum) 0;
 }

@@ -36,3 +36,7 @@ CREATE FUNCTION idempotency.registry_changed() RETURNS trigger
 CREATE TRIGGER registry_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.partition_registry
     FOR EACH STATEMENT EXECUTE FUNCTION idempotency.registry_changed();
+
+CREATE TRIGGER settings_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.settings
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.registry_changed();
