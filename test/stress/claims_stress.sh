@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# test/stress/claims_stress.sh: concurrent claims across 1-second partitions.
+#
+# Several pgbench clients claim keys drawn from a smallish range (so they
+# collide, also across partition boundaries), apply an effect when the claim
+# is true, record every attempt, and roll back a fraction of transactions at
+# random, while idem_maintain() runs in a loop.  Afterwards, SQL checks:
+#   - no key has two effects, and no key has two committed claims;
+#   - the keys with a committed claim and the keys with an effect are the same;
+#   - every key with a committed attempt has exactly one effect, and exactly
+#     one committed attempt that got true.
+# Exits non-zero on any violation.  Connection from PGHOST/PGPORT/PGDATABASE/
+# PGUSER; run by test/run-tests (part "stress") in an empty database.
+# Settings: IDEM_STRESS_SECONDS (default 18), IDEM_STRESS_CLIENTS (default 6),
+# IDEM_STRESS_KEYS (default 20000), IDEM_STRESS_ROLLBACK_PCT (default 20).
+set -euo pipefail
+
+SECONDS_RUN=${IDEM_STRESS_SECONDS:-18}
+CLIENTS=${IDEM_STRESS_CLIENTS:-6}
+NKEYS=${IDEM_STRESS_KEYS:-20000}
+ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
+
+tmp=$(mktemp -d)
+maint_pid=''
+cleanup() {
+    [[ -n $maint_pid ]] && kill "$maint_pid" 2>/dev/null && wait "$maint_pid" 2>/dev/null
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
+
+sql <<'SQL'
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS idempotency;
+SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30);
+CREATE TABLE stress_effects (key text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE stress_attempts (key text NOT NULL, claimed boolean NOT NULL);
+SQL
+
+# one transaction: claim a key (30 % of draws from a hot range of 500 keys),
+# apply the effect if the claim is true, record the attempt, and commit or
+# (ROLLBACK_PCT % of the time) roll back
+cat >"$tmp/claim.sql" <<'PGBENCH'
+\set hot random(1, 100)
+\if :hot <= 30
+\set k random(1, 500)
+\else
+\set k random(1, :nkeys)
+\endif
+\set r random(1, 100)
+BEGIN;
+SELECT idem_claim(:k::text, 'stress')::int AS claimed \gset
+\if :claimed
+INSERT INTO stress_effects (key) VALUES (:k::text);
+\endif
+INSERT INTO stress_attempts (key, claimed) VALUES (:k::text, :claimed::int::boolean);
+\if :r <= :rollback_pct
+ROLLBACK;
+\else
+COMMIT;
+\endif
+PGBENCH
+
+# maintenance running alongside the claims; any error fails the test
+(
+    while :; do
+        sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
+            || echo "idem_maintain failed" >>"$tmp/maintain.err"
+        sleep 0.5
+    done
+) &
+maint_pid=$!
+
+echo "pgbench: $CLIENTS clients, ${SECONDS_RUN}s, keys 1..$NKEYS (30 % from 1..500), $ROLLBACK_PCT % rollbacks, 1-second partitions"
+rc=0
+pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" \
+    -D nkeys="$NKEYS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/claim.sql" >"$tmp/pgbench.out" 2>&1 || rc=$?
+grep -E 'processed|failed|tps|aborted' "$tmp/pgbench.out" | sed 's/^/  /' || true
+kill "$maint_pid" 2>/dev/null; wait "$maint_pid" 2>/dev/null || true
+maint_pid=''
+
+failed=0
+fail() { echo "FAIL: $*"; failed=1; }
+
+if [[ $rc -ne 0 ]]; then
+    tail -n 20 "$tmp/pgbench.out"
+    fail "pgbench exited with status $rc (a client got an error)"
+fi
+if [[ -s $tmp/maintain.err ]]; then
+    head -n 5 "$tmp/maintain.err"
+    fail "idem_maintain() failed during the run"
+fi
+
+read -r attempts keys effects effect_keys claims claim_keys dup_attempts seconds <<<"$(sql -F ' ' -c "
+SELECT (SELECT count(*) FROM stress_attempts),
+       (SELECT count(DISTINCT key) FROM stress_attempts),
+       (SELECT count(*) FROM stress_effects),
+       (SELECT count(DISTINCT key) FROM stress_effects),
+       (SELECT count(*) FROM idempotency.claims WHERE scope = 'stress'),
+       (SELECT count(DISTINCT key) FROM idempotency.claims WHERE scope = 'stress'),
+       (SELECT count(*) FROM stress_attempts WHERE NOT claimed),
+       (SELECT count(DISTINCT date_trunc('second', claimed_at)) FROM idempotency.claims WHERE scope = 'stress')")"
+partitions=$(sql -c "SELECT count(DISTINCT tableoid) FROM idempotency.claims WHERE scope = 'stress'" 2>/dev/null || echo '?')
+
+echo "committed attempts: $attempts on $keys keys ($dup_attempts answered false)"
+echo "effects: $effects on $effect_keys keys; committed claims: $claims on $claim_keys keys"
+echo "claims made during $seconds distinct seconds, stored in $partitions partitions"
+
+doubled=$(sql -c "SELECT count(*) FROM (SELECT key FROM stress_effects GROUP BY key HAVING count(*) > 1) x")
+double_claims=$(sql -c "SELECT count(*) FROM (SELECT key FROM idempotency.claims WHERE scope = 'stress' GROUP BY key HAVING count(*) > 1) x")
+claim_no_effect=$(sql -c "SELECT count(*) FROM (SELECT DISTINCT key FROM idempotency.claims WHERE scope = 'stress') c
+                          WHERE NOT EXISTS (SELECT FROM stress_effects e WHERE e.key = c.key)")
+effect_no_claim=$(sql -c "SELECT count(*) FROM (SELECT DISTINCT key FROM stress_effects) e
+                          WHERE NOT EXISTS (SELECT FROM idempotency.claims c WHERE c.scope = 'stress' AND c.key = e.key)")
+lost=$(sql -c "SELECT count(*) FROM (SELECT DISTINCT key FROM stress_attempts) a
+               WHERE NOT EXISTS (SELECT FROM stress_effects e WHERE e.key = a.key)")
+not_one_true=$(sql -c "SELECT count(*) FROM (SELECT key FROM stress_attempts GROUP BY key
+                                             HAVING count(*) FILTER (WHERE claimed) <> 1) x")
+
+echo "keys with two effects: $doubled; keys with two claims: $double_claims"
+echo "claims without effect: $claim_no_effect; effects without claim: $effect_no_claim"
+echo "keys with committed attempts but no effect (lost): $lost; keys whose committed attempts got true not exactly once: $not_one_true"
+
+[[ $doubled -eq 0 ]] || fail "$doubled keys have two or more effects"
+[[ $double_claims -eq 0 ]] || fail "$double_claims keys have two or more committed claims"
+[[ $claim_no_effect -eq 0 ]] || fail "$claim_no_effect keys have a claim but no effect"
+[[ $effect_no_claim -eq 0 ]] || fail "$effect_no_claim keys have an effect but no claim"
+[[ $lost -eq 0 ]] || fail "$lost keys with a committed attempt have no effect"
+[[ $not_one_true -eq 0 ]] || fail "$not_one_true keys got true in a committed attempt other than exactly once"
+[[ $attempts -ge 1000 ]] || fail "only $attempts committed attempts: too few to mean anything"
+min_parts=$((SECONDS_RUN / 2 < 5 ? SECONDS_RUN / 2 : 5))
+[[ $seconds -ge $min_parts ]] || fail "claims span only $seconds seconds (expected at least $min_parts)"
+[[ $partitions =~ ^[0-9]+$ && $partitions -ge $min_parts ]] \
+    || fail "claims made over $seconds seconds landed in $partitions partition(s), expected at least $min_parts with partition_interval = 1 second: the test crossed no partition boundaries"
+
+if [[ $failed -ne 0 ]]; then
+    echo "claims stress: FAILED"
+    exit 1
+fi
+echo "claims stress: ok"
