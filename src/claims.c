@@ -603,7 +603,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 		check_key(keys[i]);
 	}
 
-	InitMaterializedSRF(fcinfo, 0);
+	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	check_claims_privilege(idem_partition_set(false), ACL_INSERT, "claim keys");
 
 	order = palloc(sizeof(int) * Max(nelems, 1));

@@ -25,6 +25,7 @@ _PG_init(void)
 	idem_claims_init();
 	idem_retention_init();
 	idem_guards_init();
+	idem_worker_init();
 }
 
 /*

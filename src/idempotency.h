@@ -55,6 +55,10 @@ typedef struct IdemPartitionSet
 
 extern IdemPartitionSet *idem_partition_set(bool fresh);
 extern void idem_retention_init(void);
+extern int	idem_maintain_round(int elevel);
+
+/* worker.c: the maintenance background worker */
+extern void idem_worker_init(void);
 
 /* guards.c */
 extern void idem_guards_init(void);

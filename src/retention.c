@@ -367,10 +367,13 @@ create_partition(TimestampTz lower, TimestampTz upper)
 	return qualified;
 }
 
+/* Where a maintenance round reports its actions: rows, or the log. */
 typedef struct MaintainReport
 {
-	Tuplestorestate *store;
+	Tuplestorestate *store;		/* NULL: log instead */
 	TupleDesc	desc;
+	int			elevel;
+	int			nactions;
 } MaintainReport;
 
 static void
@@ -381,6 +384,12 @@ report_action(MaintainReport *rep, const char *action, const char *object)
 
 	if (rep == NULL)
 		return;
+	rep->nactions++;
+	if (rep->store == NULL)
+	{
+		elog(rep->elevel, "idempotency maintenance: %s %s", action, object);
+		return;
+	}
 	values[0] = CStringGetTextDatum(action);
 	values[1] = CStringGetTextDatum(object);
 	tuplestore_putvalues(rep->store, rep->desc, values, nulls);
@@ -541,6 +550,22 @@ maintain(MaintainReport *rep, bool wait)
 }
 
 /*
+ * One maintenance round for callers outside SQL (the background worker),
+ * which must have a transaction and an active snapshot.  Each action is
+ * logged at elevel.  Returns the number of actions, or -1 if another
+ * session was maintaining this database.
+ */
+int
+idem_maintain_round(int elevel)
+{
+	MaintainReport rep = {NULL, NULL, elevel, 0};
+
+	if (!maintain(&rep, false))
+		return -1;
+	return rep.nactions;
+}
+
+/*
  * idem_configure(retention, partition_interval, premake): validate, store,
  * and create the partitions the new settings call for.  NULL keeps a value.
  */
@@ -615,6 +640,7 @@ idem_maintain(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, 0);
 	rep.store = rsinfo->setResult;
 	rep.desc = rsinfo->setDesc;
+	rep.nactions = 0;
 	maintain(&rep, false);
 	return (Datum) 0;
 }

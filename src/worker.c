@@ -1,0 +1,7 @@
+/* worker.c: placeholder, being written */
+#include "idempotency.h"
+
+void
+idem_worker_init(void)
+{
+}
