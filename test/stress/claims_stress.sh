@@ -30,7 +30,7 @@ trap cleanup EXIT
 
 sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
 
-sql <<'SQL'
+sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30);
