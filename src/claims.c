@@ -445,6 +445,7 @@ claim_key(ClaimKey *ck)
 {
 	SnapshotData dirty;
 	LOCKTAG		tag;
+	bool		target_missing = false;
 
 	InitDirtySnapshot(dirty);
 	value_locktag(&tag, ck);
@@ -506,8 +507,19 @@ claim_key(ClaimKey *ck)
 			check_fingerprint(ck, &res);
 			return false;
 		}
+		else if (!target_missing)
+		{
+			/* target dropped meanwhile: re-read the registry once */
+			target_missing = true;
+			(void) idem_partition_set(true);
+		}
 		else
-			(void) idem_partition_set(true);	/* target vanished: re-read */
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_TABLE),
+					 errmsg("a partition of idempotency.claims is missing"),
+					 errdetail("The registry lists partition %u, which does not exist.",
+							   target->relid),
+					 errhint("Run SELECT idem_maintain() to repair the registry.")));
 	}
 }
 

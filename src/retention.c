@@ -260,7 +260,7 @@ read_settings(void)
 	IdemSettings s = {DEFAULT_RETENTION_SECS, DEFAULT_INTERVAL_SECS, DEFAULT_PREMAKE};
 
 	if (SPI_execute("SELECT retention, partition_interval, premake"
-					" FROM idempotency.settings", true, 1) != SPI_OK_SELECT)
+					" FROM idempotency.settings", false, 1) != SPI_OK_SELECT)
 		elog(ERROR, "could not read idempotency.settings");
 	if (SPI_processed == 1)
 	{
@@ -418,7 +418,7 @@ ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	int64		iv_usecs = s->interval * USECS_PER_SEC;
 
 	if (SPI_execute("SELECT relid, upper FROM idempotency.partition_registry"
-					" ORDER BY upper DESC, lower DESC LIMIT 1", true, 1) != SPI_OK_SELECT)
+					" ORDER BY upper DESC, lower DESC LIMIT 1", false, 1) != SPI_OK_SELECT)
 		elog(ERROR, "could not read idempotency.partition_registry");
 	if (SPI_processed == 1)
 	{
@@ -488,7 +488,7 @@ drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 							  "   SELECT relid FROM idempotency.partition_registry"
 							  "   ORDER BY upper DESC, lower DESC LIMIT 1)"
 							  " ORDER BY lower",
-							  1, types, values, NULL, true, 0) != SPI_OK_SELECT)
+							  1, types, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not read idempotency.partition_registry");
 	n = SPI_processed;
 	victims = palloc(sizeof(Oid) * (n + 1));
@@ -528,9 +528,64 @@ drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	}
 }
 
+/*
+ * After partition_interval changed: drop the premade partitions of the old
+ * width and end the current one at the next boundary of the new grid, so the
+ * new width applies from then on rather than after premake old intervals.
+ * Claimers never probe partitions that start in the future, so dropping
+ * those does not make them wait; this runs only from idem_configure(), which
+ * may wait for a reader.
+ */
+static void
+reshape_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
+{
+	int64		iv_usecs = s->interval * USECS_PER_SEC;
+	TimestampTz next = now - (now % iv_usecs) + iv_usecs;
+	Oid			types[1] = {TIMESTAMPTZOID};
+	Datum		values[1];
+	uint64		n;
+	char	  **victims;
+
+	if (next - now < USECS_PER_SEC)
+		next += iv_usecs;
+	values[0] = timestamptz_datum(next);
+
+	spi_exec("UPDATE idempotency.partition_registry SET upper = $1"
+			 " WHERE lower < $1 AND upper > $1", 1, types, values, SPI_OK_UPDATE);
+	if (SPI_execute_with_args("DELETE FROM idempotency.partition_registry r"
+							  " USING pg_catalog.pg_class c, pg_catalog.pg_namespace n"
+							  " WHERE r.lower >= $1 AND c.oid = r.relid AND n.oid = c.relnamespace"
+							  " RETURNING pg_catalog.format('%I.%I', n.nspname, c.relname)",
+							  1, types, values, NULL, false, 0) != SPI_OK_DELETE_RETURNING)
+		elog(ERROR, "could not update idempotency.partition_registry");
+	n = SPI_processed;
+	victims = palloc(sizeof(char *) * (n + 1));
+	for (uint64 i = 0; i < n; i++)
+		victims[i] = SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1);
+	for (uint64 i = 0; i < n; i++)
+	{
+		spi_exec(psprintf("DROP TABLE %s", victims[i]), 0, NULL, NULL, SPI_OK_UTILITY);
+		report_action(rep, "drop", victims[i]);
+	}
+}
+
+/* Forget registry entries whose table was dropped by hand. */
+static void
+forget_missing(MaintainReport *rep)
+{
+	if (SPI_execute("DELETE FROM idempotency.partition_registry r"
+					" WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = r.relid)"
+					" RETURNING r.relid::pg_catalog.oid::pg_catalog.text",
+					false, 0) != SPI_OK_DELETE_RETURNING)
+		elog(ERROR, "could not update idempotency.partition_registry");
+	for (uint64 i = 0; i < SPI_processed; i++)
+		report_action(rep, "forget missing partition",
+					  SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
+}
+
 /* One maintenance round; returns false if another session holds the lock. */
 static bool
-maintain(MaintainReport *rep, bool wait)
+maintain(MaintainReport *rep, bool wait, bool reshape)
 {
 	LOCKTAG		tag;
 	IdemSettings s;
@@ -543,6 +598,9 @@ maintain(MaintainReport *rep, bool wait)
 	SPI_connect();
 	s = read_settings();
 	now = GetCurrentTimestamp();
+	forget_missing(rep);
+	if (reshape)
+		reshape_partitions(&s, now, rep);
 	ensure_partitions(&s, now, rep);
 	drop_expired(&s, now, rep);
 	SPI_finish();
@@ -560,7 +618,7 @@ idem_maintain_round(int elevel)
 {
 	MaintainReport rep = {NULL, NULL, elevel, 0};
 
-	if (!maintain(&rep, false))
+	if (!maintain(&rep, false, false))
 		return -1;
 	return rep.nactions;
 }
@@ -573,6 +631,7 @@ Datum
 idem_configure(PG_FUNCTION_ARGS)
 {
 	IdemSettings s;
+	int64		old_interval;
 	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
 	Datum		values[3];
 
@@ -580,6 +639,7 @@ idem_configure(PG_FUNCTION_ARGS)
 
 	SPI_connect();
 	s = read_settings();
+	old_interval = s.interval;
 	if (!PG_ARGISNULL(0))
 		s.retention = interval_seconds(PG_GETARG_INTERVAL_P(0));
 	if (!PG_ARGISNULL(1))
@@ -621,8 +681,8 @@ idem_configure(PG_FUNCTION_ARGS)
 			 3, types, values, SPI_OK_INSERT);
 	SPI_finish();
 
-	/* new settings take effect now: premake under them (waits for a running round) */
-	maintain(NULL, true);
+	/* new settings take effect now (after a round that is running ends) */
+	maintain(NULL, true, s.interval != old_interval);
 	PG_RETURN_VOID();
 }
 
@@ -641,6 +701,6 @@ idem_maintain(PG_FUNCTION_ARGS)
 	rep.store = rsinfo->setResult;
 	rep.desc = rsinfo->setDesc;
 	rep.nactions = 0;
-	maintain(&rep, false);
+	maintain(&rep, false, false);
 	return (Datum) 0;
 }

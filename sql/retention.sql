@@ -1,0 +1,122 @@
+-- Retention: configuration, maintenance actions, the retention window,
+-- and claims while maintenance lags.
+CREATE EXTENSION idempotency;
+
+CREATE FUNCTION pg_temp.err(sql text) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE sql;
+    RETURN 'no error';
+EXCEPTION WHEN others THEN
+    RETURN SQLSTATE || ': ' || SQLERRM;
+END $$;
+
+-- CREATE EXTENSION made the current partition and premake (4) more
+SELECT count(*) AS partitions,
+       count(*) FILTER (WHERE state = 'current') AS current,
+       count(*) FILTER (WHERE state = 'future') AS future
+  FROM idempotency.partitions;
+-- defaults apply while idempotency.settings has no row
+SELECT count(*) AS settings_rows FROM idempotency.settings;
+-- partitions are not extension members (pg_dump must dump them as data)
+SELECT count(*) AS member_partitions
+  FROM pg_depend d JOIN idempotency.partition_registry r ON d.objid = r.relid
+ WHERE d.deptype = 'e';
+-- a second round right away has nothing to do
+SELECT * FROM idem_maintain();
+
+-- validation: nothing changes on bad input
+SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '500 milliseconds')$$);
+SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '1.5 seconds')$$);
+SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '0 seconds')$$);
+SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '-1 day')$$);
+SELECT pg_temp.err($$SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours')$$);
+SELECT pg_temp.err($$SELECT idem_configure(retention => '12 hours')$$);
+SELECT pg_temp.err($$SELECT idem_configure(premake => 0)$$);
+SELECT pg_temp.err($$SELECT idem_configure(premake => 1001)$$);
+SELECT pg_temp.err($$SELECT idem_configure(retention => 'soon')$$);
+SELECT count(*) AS settings_rows FROM idempotency.settings;
+\set VERBOSITY default
+SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours');
+\set VERBOSITY terse
+
+-- NULL keeps the current value
+SELECT idem_configure(retention => '2 days');
+SELECT retention, partition_interval, premake FROM idempotency.settings;
+SELECT idem_configure(premake => 6);
+SELECT retention, partition_interval, premake FROM idempotency.settings;
+SELECT idem_configure();
+SELECT retention, partition_interval, premake FROM idempotency.settings;
+
+-- a more-premake configuration created the missing partitions at once
+SELECT count(*) FILTER (WHERE state = 'future') AS future FROM idempotency.partitions;
+-- ranges are contiguous
+SELECT count(*) AS gaps FROM (
+    SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower
+      FROM idempotency.partition_registry) r
+ WHERE next_lower IS NOT NULL AND next_lower <> upper;
+
+-- Short intervals: a claim is found for the whole retention window and gone
+-- once retention + partition_interval have passed and maintenance ran.
+SELECT idem_configure(retention => '3 seconds', partition_interval => '1 second', premake => 3);
+SELECT idem_claim('short-lived', 'retention');
+CREATE TEMP TABLE t0 AS SELECT idem_claimed('short-lived', 'retention') AS claimed_at;
+DO $$
+DECLARE
+    t0 timestamptz := (SELECT claimed_at FROM t0);
+    checks int := 0;
+BEGIN
+    -- while within retention, maintenance keeps it and a redelivery is a duplicate
+    WHILE clock_timestamp() < t0 + interval '2.8 seconds' LOOP
+        PERFORM idem_maintain();
+        IF idem_claim('short-lived', 'retention') THEN
+            RAISE EXCEPTION 'claim lost % after it was made', clock_timestamp() - t0;
+        END IF;
+        checks := checks + 1;
+        PERFORM pg_sleep(0.2);
+    END LOOP;
+    RAISE NOTICE 'found in every one of at least 5 checks: %', checks >= 5;
+END $$;
+-- the function above ran in one transaction (one now()): check again anew
+SELECT idem_claim('short-lived', 'retention') AS claimed_again_too_early;
+SELECT pg_sleep_until((SELECT claimed_at FROM t0) + interval '4.5 seconds');
+SELECT count(*) > 0 AS dropped_some FROM idem_maintain() WHERE action = 'drop';
+SELECT count(*) AS expired_left FROM idempotency.partitions WHERE state = 'expired';
+SELECT idem_claimed('short-lived', 'retention') IS NULL AS gone;
+SELECT idem_claim('short-lived', 'retention') AS claimable_again;
+
+-- Maintenance lagging far beyond premake: claims still work and still find
+-- duplicates (they go into the newest partition); the next round extends
+-- that partition rather than leaving a gap.
+SELECT idem_configure(retention => '10 seconds', partition_interval => '1 second', premake => 1);
+SELECT pg_sleep(5.5);
+SELECT count(*) AS covering FROM idempotency.partition_registry
+ WHERE lower <= clock_timestamp() AND clock_timestamp() < upper;
+SELECT idem_claim('during-lag'), idem_claim('during-lag');
+SELECT * FROM idem_claim_many(ARRAY['lag-a', 'during-lag', 'lag-b']);
+SELECT count(*) AS extended FROM idem_maintain() WHERE action = 'extend';
+SELECT count(*) AS covering FROM idempotency.partition_registry
+ WHERE lower <= clock_timestamp() AND clock_timestamp() < upper;
+SELECT idem_claim('during-lag'), idem_claim('lag-a');
+SELECT count(*) AS gaps FROM (
+    SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower
+      FROM idempotency.partition_registry) r
+ WHERE next_lower IS NOT NULL AND next_lower <> upper;
+SELECT count(*) AS doubled FROM (
+    SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
+
+-- a partition dropped by hand: claims report it, maintenance forgets it
+SELECT idem_configure(retention => '1 hour', partition_interval => '1 hour', premake => 2);
+SELECT idem_claim('before-drop');
+DO $$
+BEGIN
+    EXECUTE format('DROP TABLE %s', (SELECT relid FROM idempotency.partition_registry
+                                     WHERE lower <= now() AND now() < upper));
+END $$;
+SELECT pg_temp.err($$SELECT idem_claim('after-drop')$$);
+SELECT action FROM idem_maintain() ORDER BY 1;
+SELECT idem_claim('after-drop'), idem_claim('after-drop');
+SELECT count(*) AS doubled FROM (
+    SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
+
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;
