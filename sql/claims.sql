@@ -181,3 +181,6 @@ DROP ROLE idem_nobody;
 SELECT count(*) AS in_parent FROM ONLY idempotency.claims;
 SELECT count(*) AS doubled FROM (
     SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
+
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;
