@@ -296,35 +296,23 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 	return found;
 }
 
-/* Does a claim made at "now" need to look in this partition? */
-static bool
-partition_is_live(IdemPartitionSet *set, int i, TimestampTz now)
-{
-	IdemPartition *p = &set->parts[i];
-
-	if (p->lower > now + IDEM_CLOCK_SKEW_USECS)
-		return false;			/* premade for later */
-	if (p->upper > now - set->retention)
-		return true;
-
-	/*
-	 * Expired, unless it is the newest partition that has begun: while
-	 * maintenance lags, claims go there beyond its recorded upper bound.
-	 */
-	return i == 0 || set->parts[i - 1].lower > now + IDEM_CLOCK_SKEW_USECS;
-}
-
-/* Probe every live partition, newest first, until the key is found. */
+/*
+ * Probe every live partition, newest first, until the key is found.  Live:
+ * begun (give or take clock skew) and not entirely past the retention
+ * window; and always the partition this claim would go into, which while
+ * maintenance lags is past its recorded range.
+ */
 static void
 probe_all(IdemPartitionSet *set, TimestampTz now, Snapshot snap, ClaimKey *ck,
-		  IdemPartition *also, ProbeResult *res)
+		  IdemPartition *target, ProbeResult *res)
 {
 	res->status = PROBE_ABSENT;
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];
 
-		if (!partition_is_live(set, i, now) && p != also)
+		if (p != target &&
+			(p->lower > now + IDEM_CLOCK_SKEW_USECS || p->upper <= now - set->retention))
 			continue;
 		if (probe_partition(p, snap, ck, res))
 			return;
@@ -459,7 +447,8 @@ claim_key(ClaimKey *ck)
 		bool		covers;
 
 		/* duplicates are the common case on redelivery: no lock for them */
-		probe_all(set, now, &dirty, ck, NULL, &res);
+		target = covering_partition(set, now, &covers);
+		probe_all(set, now, &dirty, ck, target, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
@@ -660,6 +649,8 @@ idem_claimed(PG_FUNCTION_ARGS)
 	ClaimKey	ck;
 	ProbeResult res;
 	IdemPartitionSet *set;
+	TimestampTz now = GetCurrentTimestamp();
+	bool		covers;
 
 	ck.key = checked_key(fcinfo, 0);
 	ck.scope = checked_scope(fcinfo, 1);
@@ -667,7 +658,7 @@ idem_claimed(PG_FUNCTION_ARGS)
 
 	set = idem_partition_set(false);
 	check_claims_privilege(set, ACL_SELECT, "look up claims");
-	probe_all(set, GetCurrentTimestamp(), GetActiveSnapshot(), &ck, NULL, &res);
+	probe_all(set, now, GetActiveSnapshot(), &ck, covering_partition(set, now, &covers), &res);
 	if (res.status != PROBE_FOUND)
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(res.claimed_at);
@@ -696,10 +687,12 @@ idem_release(PG_FUNCTION_ARGS)
 		IdemPartitionSet *set;
 		ProbeResult res;
 		Relation	heap;
+		TimestampTz now = GetCurrentTimestamp();
+		bool		covers;
 
 		LockAcquire(&tag, ExclusiveLock, false, false);
 		set = idem_partition_set(false);
-		probe_all(set, GetCurrentTimestamp(), &dirty, &ck, NULL, &res);
+		probe_all(set, now, &dirty, &ck, covering_partition(set, now, &covers), &res);
 		if (res.status == PROBE_BUSY)
 		{
 			LockRelease(&tag, ExclusiveLock, false);
