@@ -70,7 +70,7 @@ idem_cleanup() {
     local rc=$? pid pidfile
     set +e
     for pid in "${IDEM_BG_PIDS[@]}"; do
-        kill -KILL "$pid" 2>/dev/null
+        { kill -KILL "$pid" && wait "$pid"; } 2>/dev/null
     done
     if [[ -n $IDEM_TMP && -d $IDEM_TMP ]]; then
         [[ -n $IDEM_BINDIR ]] && while IFS= read -r pidfile; do
