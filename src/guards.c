@@ -320,6 +320,32 @@ parse_mode(const char *mode, const char *argname)
 	return false;				/* keep compiler quiet */
 }
 
+/* Raise 22023 unless the state column can hold the value state. */
+static void
+check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
+{
+	MemoryContext oldcxt = CurrentMemoryContext;
+
+	PG_TRY();
+	{
+		(void) OidInputFunctionCall(typinput, (char *) state, typioparam, typmod);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		/* rethrown at once as our own error, so no subtransaction is needed */
+		MemoryContextSwitchTo(oldcxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("transitions name state \"%s\", which the state column cannot hold", state),
+				 errdetail_internal("%s", edata->message)));
+	}
+	PG_END_TRY();
+}
+
 /*
  * Check a transitions map: a non-empty JSON object whose values are arrays
  * of strings.  If typinput is valid, each state must also be accepted by the
@@ -357,7 +383,7 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 				key = pnstrdup(v.val.string.val, v.val.string.len);
 				nstates++;
 				if (OidIsValid(typinput))
-					(void) OidInputFunctionCall(typinput, key, typioparam, typmod);
+					check_state_value(key, typinput, typioparam, typmod);
 				break;
 			case WJB_VALUE:
 				/* a scalar directly under a key */
@@ -378,9 +404,8 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
 				if (OidIsValid(typinput))
-					(void) OidInputFunctionCall(typinput,
-												pnstrdup(v.val.string.val, v.val.string.len),
-												typioparam, typmod);
+					check_state_value(pnstrdup(v.val.string.val, v.val.string.len),
+									  typinput, typioparam, typmod);
 				break;
 			case WJB_END_ARRAY:
 			case WJB_END_OBJECT:
@@ -988,7 +1013,6 @@ upsert_build(UpsertEntry *e, Oid rowtype)
 				sets,
 				sql;
 	Bitmapset  *pkcols = NULL;
-	bool		identity_always = false;
 	bool		first = true;
 	int			i;
 	AttrNumber	vattnum;
@@ -1024,11 +1048,11 @@ upsert_build(UpsertEntry *e, Oid rowtype)
 		Form_pg_attribute att = TupleDescAttr(tupdesc, i);
 		const char *name;
 
-		if (att->attisdropped || att->attgenerated)
+		/* columns the table always computes itself are left to it */
+		if (att->attisdropped || att->attgenerated ||
+			att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS)
 			continue;
 		name = quote_identifier(NameStr(att->attname));
-		if (att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS)
-			identity_always = true;
 		appendStringInfo(&cols, "%s%s", cols.len ? ", " : "", name);
 		appendStringInfo(&vals, "%s($1).%s", vals.len ? ", " : "", name);
 		if (bms_is_member(att->attnum, pkcols))
@@ -1044,12 +1068,10 @@ upsert_build(UpsertEntry *e, Oid rowtype)
 		StringInfoData full;
 
 		initStringInfo(&full);
-		appendStringInfo(&full, "INSERT INTO %s AS t (%s)%s SELECT %s%s%s"
+		appendStringInfo(&full, "INSERT INTO %s AS t (%s) SELECT %s%s%s"
 						 " WHERE t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s AND $2"
 						 " RETURNING 1",
-						 qualified_relname(e->key.relid), cols.data,
-						 identity_always ? " OVERRIDING SYSTEM VALUE" : "",
-						 vals.data, sql.data, sets.data,
+						 qualified_relname(e->key.relid), cols.data, vals.data, sql.data, sets.data,
 						 quote_identifier(vcol), quote_identifier(vcol));
 		argtypes[0] = rowtype;
 		argtypes[1] = BOOLOID;
