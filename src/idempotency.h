@@ -70,7 +70,18 @@ extern int	idem_maintain_round(int elevel);
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);
 
-/* guards.c */
+/* guards.c: per-backend counters of guarded writes */
+typedef struct IdemGuardCounters
+{
+	int64		stale_skipped;		/* version guard, 'skip' */
+	int64		stale_rejected;		/* version guard, 'error' (IK004) */
+	int64		upsert_stale;		/* idem_upsert() returned 'stale' */
+	int64		invalid_skipped;	/* transition guard, 'skip' */
+	int64		invalid_rejected;	/* transition guard, 'error' (IK005) */
+	int64		already_applied;	/* transition to the state a row had */
+} IdemGuardCounters;
+
 extern void idem_guards_init(void);
+extern void idem_guard_counters(IdemGuardCounters *out);
 
 #endif							/* IDEMPOTENCY_H */
