@@ -131,3 +131,5 @@ SELECT count(*) > 0 AS unguarded_diverged
 RESET search_path;
 SET client_min_messages = warning;
 DROP SCHEMA guard_c CASCADE;
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;

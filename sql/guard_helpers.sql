@@ -156,3 +156,5 @@ SET client_min_messages = warning;
 DROP SCHEMA guard_h CASCADE;
 DROP ROLE guard_h_reader;
 DROP ROLE guard_h_writer;
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;

@@ -137,3 +137,5 @@ RESET search_path;
 SET client_min_messages = warning;
 DROP SCHEMA guard_t CASCADE;
 DROP ROLE guard_t_other;
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;

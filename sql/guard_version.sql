@@ -179,3 +179,5 @@ RESET search_path;
 SET client_min_messages = warning;
 DROP SCHEMA guard_v CASCADE;
 DROP ROLE guard_v_other;
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;
