@@ -96,9 +96,17 @@ typedef struct ClaimKey
 {
 	text	   *scope;
 	text	   *key;
+	uint64		hash;			/* idem_key_hash(scope, key) */
 	bool		has_fingerprint;
 	int64		fingerprint;
 } ClaimKey;
+
+/* Which partitions a probe visits. */
+typedef enum ProbeScope
+{
+	PROBE_LIVE,					/* all live ones; sealed ones via their filter */
+	PROBE_UNSEALED				/* only those that can still take claims */
+} ProbeScope;
 
 typedef enum ProbeStatus
 {
@@ -297,14 +305,16 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 }
 
 /*
- * Probe every live partition, newest first, until the key is found.  Live:
+ * Probe partitions newest first until the key is found.  Live partitions:
  * begun (give or take clock skew) and not entirely past the retention
  * window; and always the partition this claim would go into, which while
- * maintenance lags is past its recorded range.
+ * maintenance lags is past its recorded range.  A sealed partition takes no
+ * more claims, so its Bloom filter can rule the key out, and a probe under
+ * the value lock can skip it if it was sealed before the first probe.
  */
 static void
 probe_all(IdemPartitionSet *set, TimestampTz now, Snapshot snap, ClaimKey *ck,
-		  IdemPartition *target, ProbeResult *res)
+		  IdemPartition *target, ProbeScope scope, ProbeResult *res)
 {
 	res->status = PROBE_ABSENT;
 	for (int i = 0; i < set->nparts; i++)
@@ -314,51 +324,110 @@ probe_all(IdemPartitionSet *set, TimestampTz now, Snapshot snap, ClaimKey *ck,
 		if (p != target &&
 			(p->lower > now + IDEM_CLOCK_SKEW_USECS || p->upper <= now - set->retention))
 			continue;
+		if (p->sealed && p != target)
+		{
+			if (scope == PROBE_UNSEALED)
+				continue;
+			if (p->bloom_bits > 0 && !idem_bloom_maybe(p->bloom, p->bloom_bits, ck->hash))
+				continue;
+		}
 		if (probe_partition(p, snap, ck, res))
 			return;
 	}
 }
 
 /*
- * The partition a claim made at "now" goes into: the one whose range covers
- * it (the newest such, should ranges overlap after a restore), else the
- * newest one that started before now, else the oldest.
+ * The partition a claim made at "now" goes into: the unsealed one whose range
+ * covers it (the newest such, should ranges overlap after a restore), else
+ * the newest unsealed one that started before now, else the oldest unsealed.
  */
 static IdemPartition *
 covering_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
 {
+	IdemPartition *begun = NULL;
+
 	*covers = false;
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];
 
+		if (p->sealed)
+			continue;
 		if (p->lower <= now && now < p->upper)
 		{
 			*covers = true;
 			return p;
 		}
+		if (begun == NULL && p->lower <= now)
+			begun = p;
 	}
-	for (int i = 0; i < set->nparts; i++)
-	{
-		if (set->parts[i].lower <= now)
+	if (begun != NULL)
+		return begun;
+	for (int i = set->nparts - 1; i >= 0; i--)
+		if (!set->parts[i].sealed)
 			return &set->parts[i];
-	}
-	return set->nparts > 0 ? &set->parts[set->nparts - 1] : NULL;
+	return NULL;
 }
 
 /*---- value lock ----*/
 
-static void
-value_locktag(LOCKTAG *tag, ClaimKey *ck)
+/*
+ * 64-bit hash of (scope, key): names the value lock and indexes the Bloom
+ * filters of sealed partitions.
+ */
+uint64
+idem_key_hash(text *scope, text *key)
 {
 	uint64		h;
 
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(ck->scope),
-							VARSIZE_ANY_EXHDR(ck->scope), 0);
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(ck->key),
-							VARSIZE_ANY_EXHDR(ck->key), h);
-	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
-						 IDEM_LOCKTAG_CLAIM);
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(scope),
+							VARSIZE_ANY_EXHDR(scope), 0);
+	return hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+							   VARSIZE_ANY_EXHDR(key), h);
+}
+
+static void
+value_locktag(LOCKTAG *tag, ClaimKey *ck)
+{
+	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (ck->hash >> 32),
+						 (uint32) ck->hash, IDEM_LOCKTAG_CLAIM);
+}
+
+/*---- Bloom filters of sealed partitions ----*/
+
+/* The i-th bit position for a hash (double hashing). */
+static inline uint32
+bloom_bit(uint64 hash, int i, uint32 nbits)
+{
+	uint32		h1 = (uint32) hash;
+	uint32		h2 = (uint32) (hash >> 32) | 1;
+
+	return (h1 + (uint32) i * h2) % nbits;
+}
+
+void
+idem_bloom_add(uint8 *bloom, uint32 nbits, uint64 hash)
+{
+	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	{
+		uint32		b = bloom_bit(hash, i, nbits);
+
+		bloom[b / 8] |= (uint8) (1 << (b % 8));
+	}
+}
+
+/* False: the key is certainly not in the partition. */
+bool
+idem_bloom_maybe(const uint8 *bloom, uint32 nbits, uint64 hash)
+{
+	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	{
+		uint32		b = bloom_bit(hash, i, nbits);
+
+		if ((bloom[b / 8] & (1 << (b % 8))) == 0)
+			return false;
+	}
+	return true;
 }
 
 /*---- claiming ----*/
@@ -386,8 +455,27 @@ insert_claim(IdemPartition *part, ClaimKey *ck, TimestampTz now)
 	HeapTuple	tup;
 	TupleDesc	desc;
 
+	Oid			relid = part->relid;
+	IdemPartitionSet *set;
+	bool		still_open = false;
+
 	if (!open_partition(part, RowExclusiveLock, &heap, &index))
 		return false;
+
+	/*
+	 * Maintenance seals a partition only while nobody holds RowExclusiveLock
+	 * on it, and its commit reached us when we took that lock: if the
+	 * partition is sealed now, choose again.  ("part" may be freed here.)
+	 */
+	set = idem_partition_set(false);
+	for (int i = 0; i < set->nparts; i++)
+		if (set->parts[i].relid == relid)
+			still_open = !set->parts[i].sealed;
+	if (!still_open)
+	{
+		close_partition(heap, index);
+		return false;
+	}
 
 	desc = RelationGetDescr(heap);
 	if (desc->natts < Natts_claims)
@@ -433,7 +521,8 @@ claim_key(ClaimKey *ck)
 {
 	SnapshotData dirty;
 	LOCKTAG		tag;
-	bool		target_missing = false;
+	int			target_failures = 0;
+	Oid			target_relid;
 
 	InitDirtySnapshot(dirty);
 	value_locktag(&tag, ck);
@@ -446,9 +535,11 @@ claim_key(ClaimKey *ck)
 		ProbeResult res;
 		bool		covers;
 
+		uint64		generation = set->generation;
+
 		/* duplicates are the common case on redelivery: no lock for them */
 		target = covering_partition(set, now, &covers);
-		probe_all(set, now, &dirty, ck, target, &res);
+		probe_all(set, now, &dirty, ck, target, PROBE_LIVE, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
@@ -478,10 +569,17 @@ claim_key(ClaimKey *ck)
 		if (target == NULL)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("idempotency.claims has no partitions"),
+					 errmsg("idempotency.claims has no partition that can take claims"),
 					 errhint("Run SELECT idem_maintain() to create them.")));
 
-		probe_all(set, now, &dirty, ck, target, &res);
+		/*
+		 * A partition sealed before the first probe has taken no claim since,
+		 * so only unsealed ones need a second look -- unless the partition
+		 * list changed in between, and then all of them do.
+		 */
+		probe_all(set, now, &dirty, ck, target,
+				  set->generation == generation ? PROBE_UNSEALED : PROBE_LIVE, &res);
+		target_relid = target->relid;
 		if (res.status == PROBE_ABSENT && insert_claim(target, ck, now))
 		{
 			LockRelease(&tag, ExclusiveLock, false);
@@ -496,18 +594,17 @@ claim_key(ClaimKey *ck)
 			check_fingerprint(ck, &res);
 			return false;
 		}
-		else if (!target_missing)
+		else if (++target_failures < 3)
 		{
-			/* target dropped meanwhile: re-read the registry once */
-			target_missing = true;
+			/* target sealed or dropped meanwhile: re-read the registry */
 			(void) idem_partition_set(true);
 		}
 		else
 			ereport(ERROR,
 					(errcode(ERRCODE_UNDEFINED_TABLE),
-					 errmsg("a partition of idempotency.claims is missing"),
-					 errdetail("The registry lists partition %u, which does not exist.",
-							   target->relid),
+					 errmsg("no partition of idempotency.claims can take claims"),
+					 errdetail("The registry lists partition %u for this claim, which is missing or sealed.",
+							   target_relid),
 					 errhint("Run SELECT idem_maintain() to repair the registry.")));
 	}
 }
@@ -522,6 +619,7 @@ idem_claim(PG_FUNCTION_ARGS)
 
 	ck.key = checked_key(fcinfo, 0);
 	ck.scope = checked_scope(fcinfo, 1);
+	ck.hash = idem_key_hash(ck.scope, ck.key);
 	ck.has_fingerprint = !PG_ARGISNULL(2);
 	ck.fingerprint = 0;
 	if (ck.has_fingerprint)
@@ -623,6 +721,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 		if (j > 0 && key_cmp(keys[order[j - 1]], keys[i]) == 0)
 			continue;			/* a repeat: claimed at its first occurrence */
 		ck.key = keys[i];
+		ck.hash = idem_key_hash(ck.scope, ck.key);
 		claimed[i] = claim_key(&ck);
 	}
 
@@ -654,11 +753,13 @@ idem_claimed(PG_FUNCTION_ARGS)
 
 	ck.key = checked_key(fcinfo, 0);
 	ck.scope = checked_scope(fcinfo, 1);
+	ck.hash = idem_key_hash(ck.scope, ck.key);
 	ck.has_fingerprint = false;
 
 	set = idem_partition_set(false);
 	check_claims_privilege(set, ACL_SELECT, "look up claims");
-	probe_all(set, now, GetActiveSnapshot(), &ck, covering_partition(set, now, &covers), &res);
+	probe_all(set, now, GetActiveSnapshot(), &ck, covering_partition(set, now, &covers),
+			  PROBE_LIVE, &res);
 	if (res.status != PROBE_FOUND)
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(res.claimed_at);
@@ -677,6 +778,7 @@ idem_release(PG_FUNCTION_ARGS)
 
 	ck.key = checked_key(fcinfo, 0);
 	ck.scope = checked_scope(fcinfo, 1);
+	ck.hash = idem_key_hash(ck.scope, ck.key);
 	ck.has_fingerprint = false;
 	check_claims_privilege(idem_partition_set(false), ACL_DELETE, "release claims");
 
@@ -692,7 +794,8 @@ idem_release(PG_FUNCTION_ARGS)
 
 		LockAcquire(&tag, ExclusiveLock, false, false);
 		set = idem_partition_set(false);
-		probe_all(set, now, &dirty, &ck, covering_partition(set, now, &covers), &res);
+		probe_all(set, now, &dirty, &ck, covering_partition(set, now, &covers),
+				  PROBE_LIVE, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			LockRelease(&tag, ExclusiveLock, false);

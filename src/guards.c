@@ -1,7 +1,1421 @@
-/* guards.c: placeholder, being written */
+/*-------------------------------------------------------------------------
+ *
+ * guards.c
+ *	  Guarded writes: version and state-transition guards that live on the
+ *	  table, plus the idem_upsert() and idem_transition() helpers.
+ *
+ * A guard is an ordinary BEFORE UPDATE row trigger on the user's table whose
+ * configuration is held entirely in its trigger arguments:
+ *
+ *	  idem_guard_version      -> idempotency.version_guard(column, mode)
+ *	  idem_guard_transitions  -> idempotency.transition_guard(column, json, mode)
+ *
+ * Nothing is stored in extension tables, so pg_dump dumps a guard as the
+ * CREATE TRIGGER of a user table and pg_restore brings it back unchanged.
+ * The trigger returns NULL to leave the row as it was ("skip"), which also
+ * works in the DO UPDATE arm of INSERT ... ON CONFLICT, or raises IK004 /
+ * IK005 ("error").  Trigger state (column number, parsed transitions) is
+ * cached in the trigger's FmgrInfo for the life of one statement.
+ *
+ * idem_upsert() and idem_transition() run ordinary SQL through SPI as the
+ * calling role: no SECURITY DEFINER anywhere, so privileges, RLS and the
+ * guards themselves apply exactly as for hand-written statements.  Their
+ * plans are prepared once per table and kept in a backend-local hash that a
+ * relcache callback invalidates when the table changes.
+ *
+ * Locking rules:
+ *	- Installing or removing a guard checks ownership first, then takes
+ *	  ShareRowExclusiveLock on the table (what CREATE/DROP TRIGGER take
+ *	  anyway), held to the end of the transaction.
+ *	- The triggers take no locks of their own; the UPDATE that fires them
+ *	  holds the row.  Only when describing a row in a message is the primary
+ *	  key index opened, with AccessShareLock.
+ *	- idem_upsert() / idem_transition() take AccessShareLock on the table
+ *	  while (re)building a plan; executing takes what the statements take
+ *	  (RowExclusiveLock; idem_transition locks the row FOR UPDATE before it
+ *	  updates it, so its read and its write see the same row version).
+ *
+ * Counters are per backend (guard_counters below, exposed through
+ * idempotency.guard_stats()); no shared memory is used here.
+ *
+ *-------------------------------------------------------------------------
+ */
 #include "idempotency.h"
+
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/relation.h"
+#include "access/sysattr.h"
+#include "access/table.h"
+#include "catalog/namespace.h"
+#include "catalog/objectaddress.h"
+#include "catalog/pg_class.h"
+#include "catalog/pg_operator.h"
+#include "catalog/pg_type.h"
+#include "commands/trigger.h"
+#include "access/stratnum.h"
+#include "executor/executor.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "nodes/bitmapset.h"
+#include "storage/lmgr.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
+#include "utils/fmgrprotos.h"
+#include "utils/guc.h"
+#include "utils/hsearch.h"
+#include "utils/inval.h"
+#include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/rel.h"
+#include "utils/syscache.h"
+#include "utils/timestamp.h"
+
+/*---- version shims ----*/
+
+#if PG_VERSION_NUM >= 160000
+#define guard_is_owner(relid) object_ownercheck(RelationRelationId, (relid), GetUserId())
+#else
+#define guard_is_owner(relid) pg_class_ownercheck((relid), GetUserId())
+#endif
+
+#if PG_VERSION_NUM < 140000
+/* message_level_is_interesting() appeared in 14; be conservative before */
+#define message_level_is_interesting(lvl) true
+#endif
+
+/*---- names ----*/
+
+#define VERSION_TRIGGER_NAME	"idem_guard_version"
+#define TRANSITION_TRIGGER_NAME	"idem_guard_transitions"
+#define VERSION_TRIGGER_FUNC	IDEM_SCHEMA ".version_guard"
+#define TRANSITION_TRIGGER_FUNC	IDEM_SCHEMA ".transition_guard"
+
+/*---- GUC variables ----*/
+
+static int	guard_log_level = DEBUG1;
+
+static const struct config_enum_entry guard_log_level_options[] = {
+	{"debug5", DEBUG5, false},
+	{"debug4", DEBUG4, false},
+	{"debug3", DEBUG3, false},
+	{"debug2", DEBUG2, false},
+	{"debug1", DEBUG1, false},
+	{"debug", DEBUG2, true},
+	{"info", INFO, false},
+	{"notice", NOTICE, false},
+	{"warning", WARNING, false},
+	{"log", LOG, false},
+	{NULL, 0, false}
+};
+
+/*---- per-backend counters ----*/
+
+static IdemGuardCounters guard_counters;
+
+/*---- function declarations ----*/
+
+PG_FUNCTION_INFO_V1(idem_version_guard);
+PG_FUNCTION_INFO_V1(idem_transition_guard);
+PG_FUNCTION_INFO_V1(idem_guard_version);
+PG_FUNCTION_INFO_V1(idem_guard_transitions);
+PG_FUNCTION_INFO_V1(idem_unguard);
+PG_FUNCTION_INFO_V1(idem_upsert);
+PG_FUNCTION_INFO_V1(idem_transition);
+PG_FUNCTION_INFO_V1(idem_guard_stats);
+PG_FUNCTION_INFO_V1(idem_guard_stats_reset);
+
+/* Which guard a trigger invocation or an install call is about. */
+typedef enum GuardKind
+{
+	GUARD_VERSION,
+	GUARD_TRANSITIONS
+} GuardKind;
+
+/* What a guard trigger needs per statement, cached in flinfo->fn_extra. */
+typedef struct GuardTrigState
+{
+	Oid			tgoid;			/* trigger this was built for */
+	AttrNumber	attnum;			/* guarded column in tg_relation */
+	Oid			typid;			/* its base type */
+	bool		raise;			/* mode 'error' rather than 'skip' */
+	FmgrInfo	outfn;			/* output function of typid */
+	Jsonb	   *transitions;	/* transition map (transition guard only) */
+} GuardTrigState;
+
+
+/*------------------------------------------------------------------------
+ * Small helpers
+ *------------------------------------------------------------------------
+ */
+
+/* Public copy of the counters, for a future stats view. */
+void
+idem_guard_counters(IdemGuardCounters *out)
+{
+	*out = guard_counters;
+}
+
+/* Is typid (a base type) one a version column may have? */
+static bool
+version_type_ok(Oid typid)
+{
+	switch (typid)
+	{
+		case INT2OID:
+		case INT4OID:
+		case INT8OID:
+		case NUMERICOID:
+		case TIMESTAMPOID:
+		case TIMESTAMPTZOID:
+			return true;
+		default:
+			return false;
+	}
+}
+
+static void
+check_version_type(Oid atttypid, const char *colname, Oid relid)
+{
+	if (!version_type_ok(getBaseType(atttypid)))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("version column \"%s\" of relation \"%s\" has unsupported type %s",
+						colname, get_rel_name(relid), format_type_be(atttypid)),
+				 errdetail("A version column must be smallint, integer, bigint, numeric, timestamp or timestamptz.")));
+}
+
+/* Three-way comparison of two non-null versions of base type typid. */
+static int
+version_cmp(Oid typid, Datum a, Datum b)
+{
+	switch (typid)
+	{
+		case INT2OID:
+			{
+				int16		x = DatumGetInt16(a),
+							y = DatumGetInt16(b);
+
+				return (x > y) - (x < y);
+			}
+		case INT4OID:
+			{
+				int32		x = DatumGetInt32(a),
+							y = DatumGetInt32(b);
+
+				return (x > y) - (x < y);
+			}
+		case INT8OID:
+			{
+				int64		x = DatumGetInt64(a),
+							y = DatumGetInt64(b);
+
+				return (x > y) - (x < y);
+			}
+		case TIMESTAMPOID:
+		case TIMESTAMPTZOID:
+			{
+				Timestamp	x = DatumGetTimestamp(a),
+							y = DatumGetTimestamp(b);
+
+				return (x > y) - (x < y);
+			}
+		case NUMERICOID:
+			return DatumGetInt32(DirectFunctionCall2(numeric_cmp, a, b));
+		default:
+			elog(ERROR, "unsupported version type %u", typid);
+	}
+	return 0;					/* keep compiler quiet */
+}
+
+/* "stored - incoming" as text, for the log line of a skip. */
+static char *
+version_gap(Oid typid, Datum stored, Datum incoming)
+{
+	switch (typid)
+	{
+		case INT2OID:
+			return psprintf(INT64_FORMAT,
+							(int64) DatumGetInt16(stored) - DatumGetInt16(incoming));
+		case INT4OID:
+			return psprintf(INT64_FORMAT,
+							(int64) DatumGetInt32(stored) - DatumGetInt32(incoming));
+		case INT8OID:
+			/* via numeric: the difference of two int8 can overflow int8 */
+			stored = DirectFunctionCall1(int8_numeric, stored);
+			incoming = DirectFunctionCall1(int8_numeric, incoming);
+			/* FALLTHROUGH */
+		case NUMERICOID:
+			return DatumGetCString(DirectFunctionCall1(numeric_out,
+													   DirectFunctionCall2(numeric_sub, stored, incoming)));
+		case TIMESTAMPOID:
+		case TIMESTAMPTZOID:
+			if (TIMESTAMP_NOT_FINITE(DatumGetTimestamp(stored)) ||
+				TIMESTAMP_NOT_FINITE(DatumGetTimestamp(incoming)))
+				return pstrdup("infinite");
+			return DatumGetCString(DirectFunctionCall1(interval_out,
+													   DirectFunctionCall2(timestamp_mi, stored, incoming)));
+		default:
+			return pstrdup("?");
+	}
+}
+
+/*
+ * "(id)=(42)" for the primary key of a row, or NULL when the table has no
+ * primary key on plain columns or the caller may not read it.
+ */
+static char *
+row_key_desc(Relation rel, HeapTuple tuple)
+{
+	Oid			indexoid = RelationGetPrimaryKeyIndex(rel);
+	Relation	idx;
+	Datum		values[INDEX_MAX_KEYS];
+	bool		isnull[INDEX_MAX_KEYS];
+	char	   *desc = NULL;
+	int			i,
+				nkeys;
+
+	if (!OidIsValid(indexoid))
+		return NULL;
+	idx = index_open(indexoid, AccessShareLock);
+	nkeys = IndexRelationGetNumberOfKeyAttributes(idx);
+	for (i = 0; i < nkeys; i++)
+	{
+		AttrNumber	attno = idx->rd_index->indkey.values[i];
+
+		if (attno <= 0)
+			break;
+		values[i] = heap_getattr(tuple, attno, RelationGetDescr(rel), &isnull[i]);
+	}
+	/* BuildIndexValueDescription checks the caller's SELECT rights */
+	if (i == nkeys)
+		desc = BuildIndexValueDescription(idx, values, isnull);
+	index_close(idx, AccessShareLock);
+	return desc;
+}
+
+/* May the current user read column attnum of relid (for messages)? */
+static bool
+column_readable(Oid relid, AttrNumber attnum)
+{
+	return pg_class_aclcheck(relid, GetUserId(), ACL_SELECT) == ACLCHECK_OK ||
+		pg_attribute_aclcheck(relid, attnum, GetUserId(), ACL_SELECT) == ACLCHECK_OK;
+}
+
+/* Parse an on_stale / on_invalid argument. Returns true for 'error'. */
+static bool
+parse_mode(const char *mode, const char *argname)
+{
+	if (strcmp(mode, "skip") == 0)
+		return false;
+	if (strcmp(mode, "error") == 0)
+		return true;
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("invalid value for %s: \"%s\"", argname, mode),
+			 errhint("Use 'skip' or 'error'.")));
+	return false;				/* keep compiler quiet */
+}
+
+/* Raise 22023 unless the state column can hold the value state. */
+static void
+check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
+{
+	MemoryContext oldcxt = CurrentMemoryContext;
+
+	PG_TRY();
+	{
+		(void) OidInputFunctionCall(typinput, (char *) state, typioparam, typmod);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		/* rethrown at once as our own error, so no subtransaction is needed */
+		MemoryContextSwitchTo(oldcxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("transitions name state \"%s\", which the state column cannot hold", state),
+				 errdetail_internal("%s", edata->message)));
+	}
+	PG_END_TRY();
+}
+
+/*
+ * Check a transitions map: a non-empty JSON object whose values are arrays
+ * of strings.  If typinput is valid, each state must also be accepted by the
+ * state column's input function (e.g. be a label of its enum).
+ */
+static void
+transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
+{
+	JsonbIterator *it;
+	JsonbValue	v;
+	JsonbIteratorToken tok;
+	int			depth = 0;
+	int			nstates = 0;
+	char	   *key = NULL;
+
+	if (JB_ROOT_IS_SCALAR(jb) || !JB_ROOT_IS_OBJECT(jb))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("transitions must be a JSON object"),
+				 errdetail("Map each state to an array of the states it may move to, e.g. {\"pending\": [\"dispatched\"]}.")));
+
+	it = JsonbIteratorInit(&jb->root);
+	while ((tok = JsonbIteratorNext(&it, &v, false)) != WJB_DONE)
+	{
+		switch (tok)
+		{
+			case WJB_BEGIN_OBJECT:
+				if (depth != 0)
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				depth++;
+				break;
+			case WJB_KEY:
+				key = pnstrdup(v.val.string.val, v.val.string.len);
+				nstates++;
+				if (OidIsValid(typinput))
+					check_state_value(key, typinput, typioparam, typmod);
+				break;
+			case WJB_VALUE:
+				/* a scalar directly under a key */
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				break;
+			case WJB_BEGIN_ARRAY:
+				if (depth != 1)
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				depth++;
+				break;
+			case WJB_ELEM:
+				if (v.type != jbvString)
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				if (OidIsValid(typinput))
+					check_state_value(pnstrdup(v.val.string.val, v.val.string.len),
+									  typinput, typioparam, typmod);
+				break;
+			case WJB_END_ARRAY:
+			case WJB_END_OBJECT:
+				depth--;
+				break;
+			default:
+				break;
+		}
+	}
+	if (nstates == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("transitions must name at least one state")));
+}
+
+/* Does the map allow from -> to? */
+static bool
+transition_allowed(Jsonb *map, const char *from, const char *to)
+{
+	JsonbValue	k;
+	JsonbValue *targets;
+
+	k.type = jbvString;
+	k.val.string.val = (char *) from;
+	k.val.string.len = strlen(from);
+	targets = findJsonbValueFromContainer(&map->root, JB_FOBJECT, &k);
+	if (targets == NULL || targets->type != jbvBinary)
+		return false;
+	k.val.string.val = (char *) to;
+	k.val.string.len = strlen(to);
+	return findJsonbValueFromContainer(targets->val.binary.data, JB_FARRAY, &k) != NULL;
+}
+
+
+/*------------------------------------------------------------------------
+ * The guard triggers
+ *------------------------------------------------------------------------
+ */
+
+/* Check the trigger protocol and return (building if needed) its state. */
+static GuardTrigState *
+guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
+{
+	TriggerData *td = (TriggerData *) fcinfo->context;
+	Trigger    *tg;
+	GuardTrigState *st = (GuardTrigState *) fcinfo->flinfo->fn_extra;
+	TupleDesc	tupdesc;
+	MemoryContext oldcxt;
+	int			attnum;
+	Oid			atttypid;
+	Oid			outfn;
+	bool		isvarlena;
+	int			nargs = (kind == GUARD_VERSION) ? 2 : 3;
+
+	if (!CALLED_AS_TRIGGER(fcinfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("function \"%s\" was not called by trigger manager",
+						kind == GUARD_VERSION ? VERSION_TRIGGER_FUNC : TRANSITION_TRIGGER_FUNC)));
+	if (!TRIGGER_FIRED_BY_UPDATE(td->tg_event) ||
+		!TRIGGER_FIRED_BEFORE(td->tg_event) ||
+		!TRIGGER_FIRED_FOR_ROW(td->tg_event))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("guard trigger must be fired BEFORE UPDATE FOR EACH ROW")));
+
+	tg = td->tg_trigger;
+	if (st != NULL && st->tgoid == tg->tgoid)
+		return st;
+
+	if (tg->tgnargs != nargs)
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("guard trigger \"%s\" on relation \"%s\" has %d arguments, expected %d",
+						tg->tgname, RelationGetRelationName(td->tg_relation),
+						tg->tgnargs, nargs),
+				 errhint("Install guards with idem_guard_version() or idem_guard_transitions().")));
+
+	tupdesc = RelationGetDescr(td->tg_relation);
+	attnum = SPI_fnumber(tupdesc, tg->tgargs[0]);
+	if (attnum <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_COLUMN),
+				 errmsg("column \"%s\" guarded by trigger \"%s\" does not exist in relation \"%s\"",
+						tg->tgargs[0], tg->tgname, RelationGetRelationName(td->tg_relation)),
+				 errhint("A renamed column needs its guard installed again.")));
+	atttypid = TupleDescAttr(tupdesc, attnum - 1)->atttypid;
+	if (kind == GUARD_VERSION)
+		check_version_type(atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
+
+	oldcxt = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
+	if (st == NULL)
+		st = palloc0(sizeof(GuardTrigState));
+	else if (st->transitions)
+		pfree(st->transitions);
+	st->tgoid = InvalidOid;		/* not valid until filled in */
+	st->attnum = attnum;
+	st->typid = getBaseType(atttypid);
+	st->transitions = NULL;
+	getTypeOutputInfo(atttypid, &outfn, &isvarlena);
+	fmgr_info_cxt(outfn, &st->outfn, fcinfo->flinfo->fn_mcxt);
+	if (kind == GUARD_VERSION)
+		st->raise = parse_mode(tg->tgargs[1], "on_stale");
+	else
+	{
+		st->raise = parse_mode(tg->tgargs[2], "on_invalid");
+		st->transitions = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
+															 CStringGetDatum(tg->tgargs[1])));
+	}
+	MemoryContextSwitchTo(oldcxt);
+	if (kind == GUARD_TRANSITIONS)
+		transitions_validate(st->transitions, InvalidOid, InvalidOid, -1);
+	fcinfo->flinfo->fn_extra = st;
+	st->tgoid = tg->tgoid;
+	return st;
+}
+
+/*
+ * idempotency.version_guard(column, mode): BEFORE UPDATE row trigger that
+ * lets an update through only if it raises the version.
+ */
+Datum
+idem_version_guard(PG_FUNCTION_ARGS)
+{
+	GuardTrigState *st = guard_trig_state(fcinfo, GUARD_VERSION);
+	TriggerData *td = (TriggerData *) fcinfo->context;
+	Relation	rel = td->tg_relation;
+	TupleDesc	tupdesc = RelationGetDescr(rel);
+	HeapTuple	oldtup = td->tg_trigtuple;
+	HeapTuple	newtup = td->tg_newtuple;
+	Datum		oldv,
+				newv;
+	bool		oldnull,
+				newnull;
+	int			elevel;
+
+	newv = heap_getattr(newtup, st->attnum, tupdesc, &newnull);
+	if (newnull)
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("new value of version column \"%s\" of relation \"%s\" is null",
+						NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+						RelationGetRelationName(rel)),
+				 errdetail("A version-guarded table needs a version on every update.")));
+	oldv = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
+
+	/* a row without a version yet takes any version */
+	if (oldnull || version_cmp(st->typid, newv, oldv) > 0)
+		return PointerGetDatum(newtup);
+
+	/* stale or equal: leave the row as it is, or refuse */
+	if (st->raise)
+	{
+		guard_counters.stale_rejected++;
+		elevel = ERROR;
+	}
+	else
+	{
+		guard_counters.stale_skipped++;
+		elevel = guard_log_level;
+	}
+
+	if (elevel >= ERROR || message_level_is_interesting(elevel))
+	{
+		StringInfoData detail;
+		char	   *key = row_key_desc(rel, oldtup);
+		const char *colname = NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname);
+
+		initStringInfo(&detail);
+		if (key)
+			appendStringInfo(&detail, "Key %s: ", key);
+		if (column_readable(RelationGetRelid(rel), st->attnum))
+			appendStringInfo(&detail, "%s %s %s is not greater than the stored %s (gap %s).",
+							 key ? "new" : "New",
+							 colname, OutputFunctionCall(&st->outfn, newv),
+							 OutputFunctionCall(&st->outfn, oldv),
+							 version_gap(st->typid, oldv, newv));
+		else
+			appendStringInfo(&detail, "%s %s is not greater than the stored one.",
+							 key ? "new" : "New", colname);
+
+		ereport(elevel,
+				(errcode(elevel >= ERROR ? ERRCODE_IDEM_STALE_VERSION : ERRCODE_SUCCESSFUL_COMPLETION),
+				 elevel >= ERROR ?
+				 errmsg("stale version in update of relation \"%s\"", RelationGetRelationName(rel)) :
+				 errmsg("skipped stale update of relation \"%s\"", RelationGetRelationName(rel)),
+				 errdetail_internal("%s", detail.data)));
+	}
+	return PointerGetDatum(NULL);
+}
+
+/*
+ * idempotency.transition_guard(column, transitions, mode): BEFORE UPDATE OF
+ * column row trigger that lets a state change through only along an edge of
+ * the map, and turns a repeat of the current state into a no-op.
+ */
+Datum
+idem_transition_guard(PG_FUNCTION_ARGS)
+{
+	GuardTrigState *st = guard_trig_state(fcinfo, GUARD_TRANSITIONS);
+	TriggerData *td = (TriggerData *) fcinfo->context;
+	Relation	rel = td->tg_relation;
+	TupleDesc	tupdesc = RelationGetDescr(rel);
+	HeapTuple	oldtup = td->tg_trigtuple;
+	HeapTuple	newtup = td->tg_newtuple;
+	Datum		oldd,
+				newd;
+	bool		oldnull,
+				newnull;
+	char	   *oldtxt = NULL;
+	char	   *newtxt = NULL;
+	int			elevel;
+	char	   *key;
+	StringInfoData detail;
+
+	/* updates that do not name the state column are none of our business */
+	if (!bms_is_member(st->attnum - FirstLowInvalidHeapAttributeNumber,
+					   td->tg_updatedcols))
+		return PointerGetDatum(newtup);
+
+	oldd = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
+	newd = heap_getattr(newtup, st->attnum, tupdesc, &newnull);
+	if (!oldnull)
+		oldtxt = OutputFunctionCall(&st->outfn, oldd);
+	if (!newnull)
+		newtxt = OutputFunctionCall(&st->outfn, newd);
+
+	/* the state it already has: an applied transition, keep the whole row */
+	if ((oldnull && newnull) ||
+		(!oldnull && !newnull && strcmp(oldtxt, newtxt) == 0))
+	{
+		guard_counters.already_applied++;
+		if (message_level_is_interesting(guard_log_level))
+			ereport(guard_log_level,
+					(errmsg("skipped already-applied transition of relation \"%s\" to state %s",
+							RelationGetRelationName(rel),
+							newnull ? "NULL" : quote_literal_cstr(newtxt))));
+		return PointerGetDatum(NULL);
+	}
+
+	/* a row without a state yet may take any state */
+	if (oldnull)
+		return PointerGetDatum(newtup);
+	if (!newnull && transition_allowed(st->transitions, oldtxt, newtxt))
+		return PointerGetDatum(newtup);
+
+	if (st->raise)
+	{
+		guard_counters.invalid_rejected++;
+		elevel = ERROR;
+	}
+	else
+	{
+		guard_counters.invalid_skipped++;
+		elevel = guard_log_level;
+		if (!message_level_is_interesting(elevel))
+			return PointerGetDatum(NULL);
+	}
+
+	key = row_key_desc(rel, oldtup);
+	initStringInfo(&detail);
+	if (key)
+		appendStringInfo(&detail, "Key %s. ", key);
+	appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from %s to %s.",
+					 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+					 quote_literal_cstr(oldtxt),
+					 newnull ? "NULL" : quote_literal_cstr(newtxt));
+	ereport(elevel,
+			(errcode(elevel >= ERROR ? ERRCODE_IDEM_INVALID_TRANSITION : ERRCODE_SUCCESSFUL_COMPLETION),
+			 elevel >= ERROR ?
+			 errmsg("invalid state transition in relation \"%s\"", RelationGetRelationName(rel)) :
+			 errmsg("skipped invalid state transition in relation \"%s\"", RelationGetRelationName(rel)),
+			 errdetail_internal("%s", detail.data)));
+	return PointerGetDatum(NULL);
+}
+
+
+/*------------------------------------------------------------------------
+ * Installing and removing guards
+ *------------------------------------------------------------------------
+ */
+
+static void
+check_not_null(FunctionCallInfo fcinfo, int argno, const char *argname)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", argname)));
+}
+
+/*
+ * Check that relid is a table the caller owns, then lock it against
+ * concurrent guard changes.  Returns its relkind.
+ */
+static void
+guard_target_check(Oid relid)
+{
+	char		relkind = get_rel_relkind(relid);
+
+	if (relkind == '\0')
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("relation with OID %u does not exist", relid)));
+	if (relkind != RELKIND_RELATION && relkind != RELKIND_PARTITIONED_TABLE)
+		ereport(ERROR,
+				(errcode(ERRCODE_WRONG_OBJECT_TYPE),
+				 errmsg("\"%s\" is not a table", get_rel_name(relid)),
+				 errdetail("Guards can only be installed on tables.")));
+	if (!guard_is_owner(relid))
+		aclcheck_error(ACLCHECK_NOT_OWNER, get_relkind_objtype(relkind),
+					   get_rel_name(relid));
+	LockRelationOid(relid, ShareRowExclusiveLock);
+	/* it may have been dropped while we waited */
+	if (!SearchSysCacheExists1(RELOID, ObjectIdGetDatum(relid)))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("relation with OID %u does not exist", relid)));
+}
+
+/* Attribute number of a user column, or 42703. */
+static AttrNumber
+guard_column(Oid relid, const char *colname)
+{
+	AttrNumber	attnum = get_attnum(relid, colname);
+
+	if (attnum == InvalidAttrNumber)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_COLUMN),
+				 errmsg("column \"%s\" of relation \"%s\" does not exist",
+						colname, get_rel_name(relid))));
+	if (attnum < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("cannot guard system column \"%s\"", colname)));
+	return attnum;
+}
+
+static char *
+qualified_relname(Oid relid)
+{
+	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+									  get_rel_name(relid));
+}
+
+/* Drop the named guard trigger if it exists. Caller is connected to SPI. */
+static void
+drop_guard_trigger(Oid relid, const char *tgname)
+{
+	if (OidIsValid(get_trigger_oid(relid, tgname, true)))
+	{
+		char	   *sql = psprintf("DROP TRIGGER %s ON %s",
+								   quote_identifier(tgname), qualified_relname(relid));
+
+		if (SPI_execute(sql, false, 0) != SPI_OK_UTILITY)
+			elog(ERROR, "could not drop trigger \"%s\"", tgname);
+	}
+}
+
+/* (Re)create a guard trigger. Caller is connected to SPI. */
+static void
+create_guard_trigger(Oid relid, const char *tgname, const char *of_column,
+					 const char *func, const char *args)
+{
+	char	   *sql;
+
+	drop_guard_trigger(relid, tgname);
+	sql = psprintf("CREATE TRIGGER %s BEFORE UPDATE%s%s ON %s FOR EACH ROW EXECUTE FUNCTION %s(%s)",
+				   quote_identifier(tgname),
+				   of_column ? " OF " : "",
+				   of_column ? quote_identifier(of_column) : "",
+				   qualified_relname(relid), func, args);
+	if (SPI_execute(sql, false, 0) != SPI_OK_UTILITY)
+		elog(ERROR, "could not create trigger \"%s\"", tgname);
+}
+
+/* idem_guard_version(target regclass, version_column name, on_stale text) */
+Datum
+idem_guard_version(PG_FUNCTION_ARGS)
+{
+	Oid			relid;
+	char	   *colname;
+	char	   *mode;
+	AttrNumber	attnum;
+
+	check_not_null(fcinfo, 0, "target");
+	check_not_null(fcinfo, 1, "version_column");
+	check_not_null(fcinfo, 2, "on_stale");
+	relid = PG_GETARG_OID(0);
+	colname = NameStr(*PG_GETARG_NAME(1));
+	mode = text_to_cstring(PG_GETARG_TEXT_PP(2));
+
+	(void) parse_mode(mode, "on_stale");
+	guard_target_check(relid);
+	attnum = guard_column(relid, colname);
+	check_version_type(get_atttype(relid, attnum), colname, relid);
+
+	SPI_connect();
+	create_guard_trigger(relid, VERSION_TRIGGER_NAME, NULL, VERSION_TRIGGER_FUNC,
+						 psprintf("%s, %s", quote_literal_cstr(colname),
+								  quote_literal_cstr(mode)));
+	SPI_finish();
+	PG_RETURN_VOID();
+}
+
+/*
+ * idem_guard_transitions(target regclass, state_column name,
+ *						  transitions jsonb, on_invalid text)
+ */
+Datum
+idem_guard_transitions(PG_FUNCTION_ARGS)
+{
+	Oid			relid;
+	char	   *colname;
+	Jsonb	   *map;
+	char	   *mode;
+	AttrNumber	attnum;
+	Oid			atttypid;
+	int32		atttypmod;
+	Oid			attcoll;
+	Oid			typinput;
+	Oid			typioparam;
+	char	   *maptext;
+
+	check_not_null(fcinfo, 0, "target");
+	check_not_null(fcinfo, 1, "state_column");
+	check_not_null(fcinfo, 2, "transitions");
+	check_not_null(fcinfo, 3, "on_invalid");
+	relid = PG_GETARG_OID(0);
+	colname = NameStr(*PG_GETARG_NAME(1));
+	map = PG_GETARG_JSONB_P(2);
+	mode = text_to_cstring(PG_GETARG_TEXT_PP(3));
+
+	(void) parse_mode(mode, "on_invalid");
+	guard_target_check(relid);
+	attnum = guard_column(relid, colname);
+	get_atttypetypmodcoll(relid, attnum, &atttypid, &atttypmod, &attcoll);
+	getTypeInputInfo(atttypid, &typinput, &typioparam);
+	/* every state named must be a value the column can hold */
+	transitions_validate(map, typinput, typioparam, atttypmod);
+
+	maptext = JsonbToCString(NULL, &map->root, VARSIZE(map));
+	SPI_connect();
+	create_guard_trigger(relid, TRANSITION_TRIGGER_NAME, colname, TRANSITION_TRIGGER_FUNC,
+						 psprintf("%s, %s, %s", quote_literal_cstr(colname),
+								  quote_literal_cstr(maptext),
+								  quote_literal_cstr(mode)));
+	SPI_finish();
+	PG_RETURN_VOID();
+}
+
+/* idem_unguard(target regclass): remove both guards, if present */
+Datum
+idem_unguard(PG_FUNCTION_ARGS)
+{
+	Oid			relid;
+
+	check_not_null(fcinfo, 0, "target");
+	relid = PG_GETARG_OID(0);
+	guard_target_check(relid);
+	SPI_connect();
+	drop_guard_trigger(relid, VERSION_TRIGGER_NAME);
+	drop_guard_trigger(relid, TRANSITION_TRIGGER_NAME);
+	SPI_finish();
+	PG_RETURN_VOID();
+}
+
+
+/*------------------------------------------------------------------------
+ * Plan cache for idem_upsert / idem_transition
+ *------------------------------------------------------------------------
+ */
+
+typedef struct UpsertKey
+{
+	Oid			relid;
+	NameData	vcol;
+} UpsertKey;
+
+typedef struct UpsertEntry
+{
+	UpsertKey	key;
+	bool		valid;
+	SPIPlanPtr	plan;
+	AttrNumber	vattnum;		/* version column in the row type */
+} UpsertEntry;
+
+typedef struct TransitionKey
+{
+	Oid			relid;
+	Oid			idtype;
+} TransitionKey;
+
+typedef struct TransitionEntry
+{
+	TransitionKey key;
+	bool		valid;
+	SPIPlanPtr	select_plan;	/* current state as text, row locked */
+	SPIPlanPtr	update_plan;	/* set the new state */
+} TransitionEntry;
+
+static HTAB *upsert_plans = NULL;
+static HTAB *transition_plans = NULL;
+
+/* Relcache callback: forget plans built for a relation that changed. */
+static void
+guard_relcache_callback(Datum arg, Oid relid)
+{
+	HASH_SEQ_STATUS seq;
+
+	if (upsert_plans)
+	{
+		UpsertEntry *e;
+
+		hash_seq_init(&seq, upsert_plans);
+		while ((e = hash_seq_search(&seq)) != NULL)
+			if (relid == InvalidOid || e->key.relid == relid)
+				e->valid = false;
+	}
+	if (transition_plans)
+	{
+		TransitionEntry *e;
+
+		hash_seq_init(&seq, transition_plans);
+		while ((e = hash_seq_search(&seq)) != NULL)
+			if (relid == InvalidOid || e->key.relid == relid)
+				e->valid = false;
+	}
+}
+
+static void
+guard_plan_caches_init(void)
+{
+	HASHCTL		ctl;
+
+	if (upsert_plans)
+		return;
+	memset(&ctl, 0, sizeof(ctl));
+	ctl.keysize = sizeof(UpsertKey);
+	ctl.entrysize = sizeof(UpsertEntry);
+	ctl.hcxt = CacheMemoryContext;
+	upsert_plans = hash_create("idempotency upsert plans", 32, &ctl,
+							   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	ctl.keysize = sizeof(TransitionKey);
+	ctl.entrysize = sizeof(TransitionEntry);
+	transition_plans = hash_create("idempotency transition plans", 32, &ctl,
+								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+}
+
+/* Open a table the helpers write to; 42P01 / 42809 otherwise. */
+static Relation
+helper_open_table(Oid relid)
+{
+	Relation	rel = try_relation_open(relid, AccessShareLock);
+
+	if (rel == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("relation with OID %u does not exist", relid)));
+	if (rel->rd_rel->relkind != RELKIND_RELATION &&
+		rel->rd_rel->relkind != RELKIND_PARTITIONED_TABLE)
+		ereport(ERROR,
+				(errcode(ERRCODE_WRONG_OBJECT_TYPE),
+				 errmsg("\"%s\" is not a table", RelationGetRelationName(rel))));
+	return rel;
+}
+
+/* Open the primary key index of rel, or raise 42P10. */
+static Relation
+helper_open_pkey(Relation rel, const char *caller)
+{
+	Oid			pkoid = RelationGetPrimaryKeyIndex(rel);
+
+	if (!OidIsValid(pkoid))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_COLUMN_REFERENCE),
+				 errmsg("relation \"%s\" has no primary key", RelationGetRelationName(rel)),
+				 errdetail("%s() finds the row to update by the primary key.", caller)));
+	return index_open(pkoid, AccessShareLock);
+}
+
+/*
+ * Build the upsert for relid:
+ *
+ *	 INSERT INTO s.t AS t (c1, ...) SELECT ($1).c1, ...
+ *	 ON CONFLICT (pk) DO UPDATE SET c = EXCLUDED.c, ...
+ *	 WHERE t.v < EXCLUDED.v AND $2
+ *	 RETURNING 1
+ *
+ * No row returned means the WHERE rejected the update: stale.  To tell an
+ * insert from an update without system columns (xmax cannot be returned
+ * through a partitioned table), $2 is a boolean parameter that only the DO
+ * UPDATE arm ever reads, after the version test: upsert_param_fetch() notes
+ * that it was fetched.
+ */
+static void
+upsert_build(UpsertEntry *e, Oid rowtype)
+{
+	Relation	rel = helper_open_table(e->key.relid);
+	Relation	idx = helper_open_pkey(rel, "idem_upsert");
+	TupleDesc	tupdesc = RelationGetDescr(rel);
+	const char *vcol = NameStr(e->key.vcol);
+	StringInfoData cols,
+				vals,
+				sets,
+				sql;
+	Bitmapset  *pkcols = NULL;
+	bool		first = true;
+	int			i;
+	AttrNumber	vattnum;
+	Oid			argtypes[2];
+	SPIPlanPtr	plan;
+
+	vattnum = SPI_fnumber(tupdesc, vcol);
+	if (vattnum <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_COLUMN),
+				 errmsg("column \"%s\" of relation \"%s\" does not exist",
+						vcol, RelationGetRelationName(rel))));
+	check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, e->key.relid);
+
+	initStringInfo(&cols);
+	initStringInfo(&vals);
+	initStringInfo(&sets);
+	initStringInfo(&sql);
+
+	appendStringInfoString(&sql, " ON CONFLICT (");
+	for (i = 0; i < IndexRelationGetNumberOfKeyAttributes(idx); i++)
+	{
+		AttrNumber	attno = idx->rd_index->indkey.values[i];
+
+		pkcols = bms_add_member(pkcols, attno);
+		appendStringInfo(&sql, "%s%s", i ? ", " : "",
+						 quote_identifier(NameStr(TupleDescAttr(tupdesc, attno - 1)->attname)));
+	}
+	appendStringInfoString(&sql, ") DO UPDATE SET ");
+
+	for (i = 0; i < tupdesc->natts; i++)
+	{
+		Form_pg_attribute att = TupleDescAttr(tupdesc, i);
+		const char *name;
+
+		/* columns the table always computes itself are left to it */
+		if (att->attisdropped || att->attgenerated ||
+			att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS)
+			continue;
+		name = quote_identifier(NameStr(att->attname));
+		appendStringInfo(&cols, "%s%s", cols.len ? ", " : "", name);
+		appendStringInfo(&vals, "%s($1).%s", vals.len ? ", " : "", name);
+		if (bms_is_member(att->attnum, pkcols))
+			continue;
+		appendStringInfo(&sets, "%s%s = EXCLUDED.%s", first ? "" : ", ", name, name);
+		first = false;
+	}
+	/* a table of only key columns: nothing to update but the version check */
+	if (first)
+		appendStringInfo(&sets, "%s = EXCLUDED.%s", quote_identifier(vcol), quote_identifier(vcol));
+
+	{
+		StringInfoData full;
+
+		initStringInfo(&full);
+		appendStringInfo(&full, "INSERT INTO %s AS t (%s) SELECT %s%s%s"
+						 " WHERE t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s AND $2"
+						 " RETURNING 1",
+						 qualified_relname(e->key.relid), cols.data, vals.data, sql.data, sets.data,
+						 quote_identifier(vcol), quote_identifier(vcol));
+		argtypes[0] = rowtype;
+		argtypes[1] = BOOLOID;
+		plan = SPI_prepare(full.data, 2, argtypes);
+		if (plan == NULL)
+			elog(ERROR, "could not prepare upsert for \"%s\": %s",
+				 RelationGetRelationName(rel), SPI_result_code_string(SPI_result));
+	}
+	index_close(idx, AccessShareLock);
+	relation_close(rel, NoLock);
+
+	if (SPI_keepplan(plan) != 0)
+		elog(ERROR, "could not keep upsert plan");
+	e->plan = plan;
+	e->vattnum = vattnum;
+	e->valid = true;
+}
+
+/* Set when the running upsert reached its DO UPDATE arm past the version test. */
+static bool upsert_update_seen = false;
+
+/* paramFetch hook of idem_upsert: parameter 2 is read only by an update. */
+static ParamExternData *
+upsert_param_fetch(ParamListInfo params, int paramid, bool speculative,
+				   ParamExternData *workspace)
+{
+	if (paramid == 2 && !speculative)
+		upsert_update_seen = true;
+	return &params->params[paramid - 1];
+}
+
+/* idem_upsert(new_row anyelement, version_column name) RETURNS text */
+Datum
+idem_upsert(PG_FUNCTION_ARGS)
+{
+	Oid			rowtype;
+	Oid			relid;
+	UpsertKey	key;
+	UpsertEntry *e;
+	bool		found;
+	bool		isnull;
+	Datum		arg;
+	const char *result;
+	int			rc = 0;
+	ParamListInfo params;
+	bool		saved_seen;
+	bool		updated = false;
+
+	check_not_null(fcinfo, 0, "new_row");
+	check_not_null(fcinfo, 1, "version_column");
+
+	rowtype = get_fn_expr_argtype(fcinfo->flinfo, 0);
+	relid = OidIsValid(rowtype) ? get_typ_typrelid(rowtype) : InvalidOid;
+	if (!OidIsValid(relid))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("idem_upsert() needs a row of a table, not a value of type %s",
+						OidIsValid(rowtype) ? format_type_be(rowtype) : "unknown"),
+				 errhint("Pass a row of the target table, e.g. ROW(...)::my_table.")));
+
+	guard_plan_caches_init();
+	memset(&key, 0, sizeof(key));
+	key.relid = relid;
+	namestrcpy(&key.vcol, NameStr(*PG_GETARG_NAME(1)));
+	e = hash_search(upsert_plans, &key, HASH_ENTER, &found);
+	if (!found)
+	{
+		e->valid = false;
+		e->plan = NULL;
+	}
+
+	SPI_connect();
+	if (!e->valid)
+	{
+		if (e->plan)
+		{
+			SPI_freeplan(e->plan);
+			e->plan = NULL;
+		}
+		upsert_build(e, rowtype);
+	}
+
+	arg = PG_GETARG_DATUM(0);
+	(void) GetAttributeByNum(DatumGetHeapTupleHeader(arg), e->vattnum, &isnull);
+	if (isnull)
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("version column \"%s\" of the new row is null", NameStr(key.vcol))));
+
+	/*
+	 * $1 is the row, constant for the planner; $2 is left non-constant so
+	 * that the executor fetches it through the hook each time it is read.
+	 */
+	params = makeParamList(2);
+	params->paramFetch = upsert_param_fetch;
+	params->params[0].value = arg;
+	params->params[0].isnull = false;
+	params->params[0].pflags = PARAM_FLAG_CONST;
+	params->params[0].ptype = rowtype;
+	params->params[1].value = BoolGetDatum(true);
+	params->params[1].isnull = false;
+	params->params[1].pflags = 0;
+	params->params[1].ptype = BOOLOID;
+
+	/* save and restore: a trigger on the table may run an upsert of its own */
+	saved_seen = upsert_update_seen;
+	upsert_update_seen = false;
+	PG_TRY();
+	{
+		rc = SPI_execute_plan_with_paramlist(e->plan, params, false, 0);
+	}
+	PG_FINALLY();
+	{
+		updated = upsert_update_seen;
+		upsert_update_seen = saved_seen;
+	}
+	PG_END_TRY();
+	if (rc != SPI_OK_INSERT_RETURNING)
+		elog(ERROR, "idem_upsert: unexpected SPI result %s", SPI_result_code_string(rc));
+	if (SPI_processed == 0)
+	{
+		guard_counters.upsert_stale++;
+		result = "stale";
+	}
+	else
+		result = updated ? "updated" : "inserted";
+	SPI_finish();
+	PG_RETURN_TEXT_P(cstring_to_text(result));
+}
+
+/*
+ * Build the two statements idem_transition runs on relid:
+ *
+ *	 SELECT t.state::text FROM s.t t WHERE t.pk = $1::pktype FOR UPDATE
+ *	 UPDATE s.t t SET state = $2::statetype WHERE t.pk = $1::pktype
+ *
+ * The state column is the one the table's transition guard names.
+ */
+static void
+transition_build(TransitionEntry *e)
+{
+	Relation	rel = helper_open_table(e->key.relid);
+	Relation	idx;
+	TriggerDesc *trigdesc = rel->trigdesc;
+	TupleDesc	tupdesc = RelationGetDescr(rel);
+	const char *statecol = NULL;
+	AttrNumber	stateatt;
+	AttrNumber	pkatt;
+	Form_pg_attribute pkattr;
+	Oid			eqop;
+	HeapTuple	optup;
+	Form_pg_operator opform;
+	char	   *where;
+	char	   *sql;
+	Oid			argtypes[2];
+	SPIPlanPtr	plan;
+	int			i;
+
+	for (i = 0; trigdesc && i < trigdesc->numtriggers; i++)
+		if (strcmp(trigdesc->triggers[i].tgname, TRANSITION_TRIGGER_NAME) == 0 &&
+			trigdesc->triggers[i].tgnargs == 3)
+			statecol = trigdesc->triggers[i].tgargs[0];
+	if (statecol == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("relation \"%s\" has no transition guard", RelationGetRelationName(rel)),
+				 errhint("Install one with idem_guard_transitions().")));
+	stateatt = SPI_fnumber(tupdesc, statecol);
+	if (stateatt <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_COLUMN),
+				 errmsg("column \"%s\" of relation \"%s\" does not exist",
+						statecol, RelationGetRelationName(rel))));
+
+	idx = helper_open_pkey(rel, "idem_transition");
+	if (IndexRelationGetNumberOfKeyAttributes(idx) != 1 || idx->rd_index->indkey.values[0] <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idem_transition() needs a single-column primary key"),
+				 errdetail("Relation \"%s\" has a primary key of %d columns.",
+						   RelationGetRelationName(rel),
+						   IndexRelationGetNumberOfKeyAttributes(idx))));
+	pkatt = idx->rd_index->indkey.values[0];
+	pkattr = TupleDescAttr(tupdesc, pkatt - 1);
+
+	/* the key's own equality operator, named by schema: no search_path games */
+	eqop = get_opfamily_member(idx->rd_opfamily[0], idx->rd_opcintype[0],
+							   idx->rd_opcintype[0], BTEqualStrategyNumber);
+	optup = SearchSysCache1(OPEROID, ObjectIdGetDatum(eqop));
+	if (!HeapTupleIsValid(optup))
+		elog(ERROR, "cache lookup failed for operator %u", eqop);
+	opform = (Form_pg_operator) GETSTRUCT(optup);
+	where = psprintf("t.%s OPERATOR(%s.%s) CAST($1 AS %s)",
+					 quote_identifier(NameStr(pkattr->attname)),
+					 quote_identifier(get_namespace_name(opform->oprnamespace)),
+					 NameStr(opform->oprname),
+					 format_type_extended(pkattr->atttypid, pkattr->atttypmod,
+										  FORMAT_TYPE_TYPEMOD_GIVEN | FORMAT_TYPE_FORCE_QUALIFY));
+	ReleaseSysCache(optup);
+
+	argtypes[0] = e->key.idtype;
+	argtypes[1] = TEXTOID;
+	sql = psprintf("SELECT CAST(t.%s AS pg_catalog.text) FROM %s t WHERE %s FOR UPDATE OF t",
+				   quote_identifier(statecol), qualified_relname(e->key.relid), where);
+	plan = SPI_prepare(sql, 1, argtypes);
+	if (plan == NULL)
+		elog(ERROR, "could not prepare state lookup: %s", SPI_result_code_string(SPI_result));
+	SPI_keepplan(plan);
+	e->select_plan = plan;
+
+	sql = psprintf("UPDATE %s t SET %s = CAST($2 AS %s) WHERE %s",
+				   qualified_relname(e->key.relid), quote_identifier(statecol),
+				   format_type_extended(TupleDescAttr(tupdesc, stateatt - 1)->atttypid,
+										TupleDescAttr(tupdesc, stateatt - 1)->atttypmod,
+										FORMAT_TYPE_TYPEMOD_GIVEN | FORMAT_TYPE_FORCE_QUALIFY),
+				   where);
+	plan = SPI_prepare(sql, 2, argtypes);
+	if (plan == NULL)
+		elog(ERROR, "could not prepare state update: %s", SPI_result_code_string(SPI_result));
+	SPI_keepplan(plan);
+	e->update_plan = plan;
+
+	index_close(idx, AccessShareLock);
+	relation_close(rel, NoLock);
+	e->valid = true;
+}
+
+/* idem_transition(target regclass, id anyelement, to_state text) RETURNS text */
+Datum
+idem_transition(PG_FUNCTION_ARGS)
+{
+	TransitionKey key;
+	TransitionEntry *e;
+	bool		found;
+	Datum		args[2];
+	const char *result;
+	char	   *to_state;
+	int			rc;
+
+	check_not_null(fcinfo, 0, "target");
+	check_not_null(fcinfo, 1, "id");
+	check_not_null(fcinfo, 2, "to_state");
+
+	memset(&key, 0, sizeof(key));
+	key.relid = PG_GETARG_OID(0);
+	key.idtype = get_fn_expr_argtype(fcinfo->flinfo, 1);
+	to_state = text_to_cstring(PG_GETARG_TEXT_PP(2));
+
+	guard_plan_caches_init();
+	e = hash_search(transition_plans, &key, HASH_ENTER, &found);
+	if (!found)
+	{
+		e->valid = false;
+		e->select_plan = e->update_plan = NULL;
+	}
+
+	SPI_connect();
+	if (!e->valid)
+	{
+		if (e->select_plan)
+			SPI_freeplan(e->select_plan);
+		if (e->update_plan)
+			SPI_freeplan(e->update_plan);
+		e->select_plan = e->update_plan = NULL;
+		transition_build(e);
+	}
+
+	args[0] = PG_GETARG_DATUM(1);
+	args[1] = PG_GETARG_DATUM(2);
+
+	/* lock the row and read its state: the answer must match what we write */
+	rc = SPI_execute_plan(e->select_plan, args, "  ", false, 0);
+	if (rc != SPI_OK_SELECT)
+		elog(ERROR, "idem_transition: unexpected SPI result %s", SPI_result_code_string(rc));
+	if (SPI_processed == 0)
+		result = "not_found";
+	else
+	{
+		char	   *current = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
+
+		if (current != NULL && strcmp(current, to_state) == 0)
+		{
+			guard_counters.already_applied++;
+			result = "already_applied";
+		}
+		else
+		{
+			/* the guard decides; it skips (0 rows) or raises IK005 */
+			rc = SPI_execute_plan(e->update_plan, args, "  ", false, 0);
+			if (rc != SPI_OK_UPDATE)
+				elog(ERROR, "idem_transition: unexpected SPI result %s", SPI_result_code_string(rc));
+			result = SPI_processed > 0 ? "applied" : "rejected";
+		}
+	}
+	SPI_finish();
+	PG_RETURN_TEXT_P(cstring_to_text(result));
+}
+
+
+/*------------------------------------------------------------------------
+ * Counters and initialisation
+ *------------------------------------------------------------------------
+ */
+
+/* idempotency.guard_stats(): this backend's guard counters */
+Datum
+idem_guard_stats(PG_FUNCTION_ARGS)
+{
+	TupleDesc	tupdesc;
+	Datum		values[6];
+	bool		nulls[6] = {false};
+
+	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	tupdesc = BlessTupleDesc(tupdesc);
+	values[0] = Int64GetDatum(guard_counters.stale_skipped);
+	values[1] = Int64GetDatum(guard_counters.stale_rejected);
+	values[2] = Int64GetDatum(guard_counters.upsert_stale);
+	values[3] = Int64GetDatum(guard_counters.invalid_skipped);
+	values[4] = Int64GetDatum(guard_counters.invalid_rejected);
+	values[5] = Int64GetDatum(guard_counters.already_applied);
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+}
+
+/* idempotency.guard_stats_reset(): zero this backend's guard counters */
+Datum
+idem_guard_stats_reset(PG_FUNCTION_ARGS)
+{
+	memset(&guard_counters, 0, sizeof(guard_counters));
+	PG_RETURN_VOID();
+}
 
 void
 idem_guards_init(void)
 {
+	DefineCustomEnumVariable("idempotency.guard_log_level",
+							 "Message level at which guards log each skipped write.",
+							 "Skips are normal under at-least-once delivery, so the default is debug1; "
+							 "set log to audit them.",
+							 &guard_log_level,
+							 DEBUG1,
+							 guard_log_level_options,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
+	CacheRegisterRelcacheCallback(guard_relcache_callback, (Datum) 0);
 }

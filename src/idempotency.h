@@ -33,6 +33,13 @@ extern Oid	idem_internal_relid(const char *relname);
 
 /* claims.c */
 extern void idem_claims_init(void);
+extern uint64 idem_key_hash(text *scope, text *key);
+
+/* Bloom filters of sealed partitions (claims.c) */
+#define IDEM_BLOOM_HASHES		7
+#define IDEM_BLOOM_BITS_PER_KEY	10
+extern void idem_bloom_add(uint8 *bloom, uint32 nbits, uint64 hash);
+extern bool idem_bloom_maybe(const uint8 *bloom, uint32 nbits, uint64 hash);
 
 /* retention.c: the partition registry and its per-backend cache */
 typedef struct IdemPartition
@@ -43,12 +50,15 @@ typedef struct IdemPartition
 	TimestampTz lower;			/* claims made at or after ... */
 	TimestampTz upper;			/* ... and before this go here */
 	bool		sealed;			/* no more claims will go here */
+	uint32		bloom_bits;		/* size of bloom in bits; 0 = no filter */
+	uint8	   *bloom;			/* Bloom filter of a sealed partition's keys */
 } IdemPartition;
 
 typedef struct IdemPartitionSet
 {
 	Oid			claims_relid;	/* idempotency.claims, the parent */
 	int64		retention;		/* microseconds; older partitions are dead */
+	uint64		generation;		/* changes whenever the set is rebuilt */
 	int			nparts;
 	IdemPartition *parts;		/* sorted by lower, newest first */
 } IdemPartitionSet;
@@ -60,7 +70,18 @@ extern int	idem_maintain_round(int elevel);
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);
 
-/* guards.c */
+/* guards.c: per-backend counters of guarded writes */
+typedef struct IdemGuardCounters
+{
+	int64		stale_skipped;		/* version guard, 'skip' */
+	int64		stale_rejected;		/* version guard, 'error' (IK004) */
+	int64		upsert_stale;		/* idem_upsert() returned 'stale' */
+	int64		invalid_skipped;	/* transition guard, 'skip' */
+	int64		invalid_rejected;	/* transition guard, 'error' (IK005) */
+	int64		already_applied;	/* transition to the state a row had */
+} IdemGuardCounters;
+
 extern void idem_guards_init(void);
+extern void idem_guard_counters(IdemGuardCounters *out);
 
 #endif							/* IDEMPOTENCY_H */

@@ -64,6 +64,8 @@ PG_FUNCTION_INFO_V1(idem_maintain);
 #define Anum_registry_lower		2
 #define Anum_registry_upper		3
 #define Anum_registry_sealed	4
+#define Anum_registry_bloom		5
+#define Natts_registry			5
 
 /* Settings columns */
 #define Anum_settings_retention	2
@@ -76,6 +78,13 @@ PG_FUNCTION_INFO_V1(idem_maintain);
 
 /* field4 of our advisory locktags; user advisory locks use 1 and 2 */
 #define IDEM_LOCKTAG_MAINTAIN		0x494D
+
+/*
+ * Sealed partitions with more claims than this get no Bloom filter (every
+ * backend keeps the filters in memory: 1.25 bytes per claim); claims probe
+ * their index instead.
+ */
+#define IDEM_BLOOM_MAX_KEYS			(1024 * 1024)
 
 typedef struct IdemSettings
 {
@@ -97,6 +106,7 @@ interval_seconds(Interval *iv)
 static MemoryContext partition_cxt = NULL;
 static IdemPartitionSet *partition_cache = NULL;
 static Oid	registry_relid = InvalidOid;
+static uint64 partition_generation = 0;
 
 static void
 partition_cache_callback(Datum arg, Oid relid)
@@ -175,13 +185,14 @@ build_partition_set(void)
 	set = palloc0(sizeof(IdemPartitionSet));
 	set->claims_relid = get_relname_relid("claims", nspid);
 	set->retention = read_retention(snap) * USECS_PER_SEC;
+	set->generation = ++partition_generation;
 	set->parts = palloc(cap * sizeof(IdemPartition));
 
 	scan = table_beginscan(rel, snap, 0, NULL);
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
-		Datum		values[4];
-		bool		nulls[4];
+		Datum		values[Natts_registry];
+		bool		nulls[Natts_registry];
 		IdemPartition *p;
 
 		heap_deform_tuple(tup, RelationGetDescr(rel), values, nulls);
@@ -196,6 +207,15 @@ build_partition_set(void)
 		p->lower = DatumGetTimestampTz(values[Anum_registry_lower - 1]);
 		p->upper = DatumGetTimestampTz(values[Anum_registry_upper - 1]);
 		p->sealed = DatumGetBool(values[Anum_registry_sealed - 1]);
+		p->bloom = NULL;
+		p->bloom_bits = 0;
+		if (p->sealed && !nulls[Anum_registry_bloom - 1])
+		{
+			bytea	   *b = DatumGetByteaPCopy(values[Anum_registry_bloom - 1]);
+
+			p->bloom = (uint8 *) VARDATA(b);
+			p->bloom_bits = (uint32) VARSIZE(b) * 8 - VARHDRSZ * 8;
+		}
 	}
 	table_endscan(scan);
 	MemoryContextSwitchTo(oldcxt);
@@ -583,6 +603,109 @@ forget_missing(MaintainReport *rep)
 					  SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
 }
 
+/*
+ * Bloom filter over the claims of a partition that takes no more claims, or
+ * NULL if it has too many.  Needs a lock on the partition that keeps
+ * inserters out.
+ */
+static bytea *
+build_bloom(Oid relid)
+{
+	Relation	rel = table_open(relid, NoLock);
+	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
+	TableScanDesc scan;
+	HeapTuple	tup;
+	uint64		nkeys = 0;
+	uint32		nbits;
+	bytea	   *bloom = NULL;
+
+	/* one pass to size the filter, one to fill it */
+	scan = table_beginscan(rel, snap, 0, NULL);
+	while (heap_getnext(scan, ForwardScanDirection) != NULL)
+		nkeys++;
+	table_endscan(scan);
+
+	if (nkeys <= IDEM_BLOOM_MAX_KEYS)
+	{
+		nbits = (uint32) Max(nkeys * IDEM_BLOOM_BITS_PER_KEY, 64);
+		nbits = (nbits + 7) & ~7;
+		bloom = palloc0(VARHDRSZ + nbits / 8);
+		SET_VARSIZE(bloom, VARHDRSZ + nbits / 8);
+
+		scan = table_beginscan(rel, snap, 0, NULL);
+		while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+		{
+			bool		isnull;
+			text	   *scope = DatumGetTextPP(heap_getattr(tup, 1, RelationGetDescr(rel), &isnull));
+			text	   *key = DatumGetTextPP(heap_getattr(tup, 2, RelationGetDescr(rel), &isnull));
+
+			idem_bloom_add((uint8 *) VARDATA(bloom), nbits, idem_key_hash(scope, key));
+		}
+		table_endscan(scan);
+	}
+
+	UnregisterSnapshot(snap);
+	table_close(rel, NoLock);
+	return bloom;
+}
+
+/*
+ * Seal the partitions whose range has passed: no claim may go into them any
+ * more, which lets claimers check them once (through a Bloom filter) rather
+ * than twice.  The ShareLock, taken conditionally, proves that no claimer is
+ * inserting into the partition; one that tries later waits for our commit,
+ * then sees the seal and chooses another partition (see insert_claim()).
+ */
+static void
+seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
+{
+	Oid			types[2] = {TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[2];
+	uint64		n;
+	Oid		   *candidates;
+
+	values[0] = timestamptz_datum(add_seconds(now, -1));
+	values[1] = timestamptz_datum(add_seconds(now, -s->retention));
+	if (SPI_execute_with_args("SELECT relid FROM idempotency.partition_registry"
+							  " WHERE NOT sealed AND upper <= $1 AND upper > $2"
+							  "   AND relid <> (SELECT relid FROM idempotency.partition_registry"
+							  "                 ORDER BY upper DESC, lower DESC LIMIT 1)"
+							  " ORDER BY lower",
+							  2, types, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read idempotency.partition_registry");
+	n = SPI_processed;
+	candidates = palloc(sizeof(Oid) * (n + 1));
+	for (uint64 i = 0; i < n; i++)
+	{
+		bool		isnull;
+
+		candidates[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
+													   SPI_tuptable->tupdesc, 1, &isnull));
+	}
+
+	for (uint64 i = 0; i < n; i++)
+	{
+		Oid			utypes[2] = {OIDOID, BYTEAOID};
+		Datum		uvalues[2];
+		char		unulls[2] = {' ', ' '};
+		bytea	   *bloom;
+		char	   *relname = get_rel_name(candidates[i]);
+
+		if (relname == NULL || !ConditionalLockRelationOid(candidates[i], ShareLock))
+			continue;			/* gone, or a claimer is inserting: next round */
+		bloom = build_bloom(candidates[i]);
+		uvalues[0] = ObjectIdGetDatum(candidates[i]);
+		uvalues[1] = PointerGetDatum(bloom);
+		if (bloom == NULL)
+			unulls[1] = 'n';
+		if (SPI_execute_with_args("UPDATE idempotency.partition_registry"
+								  " SET sealed = true, bloom = $2 WHERE relid = $1",
+								  2, utypes, uvalues, unulls, false, 0) != SPI_OK_UPDATE)
+			elog(ERROR, "could not update idempotency.partition_registry");
+		report_action(rep, "seal", psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname)));
+	}
+}
+
 /* One maintenance round; returns false if another session holds the lock. */
 static bool
 maintain(MaintainReport *rep, bool wait, bool reshape)
@@ -602,6 +725,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	if (reshape)
 		reshape_partitions(&s, now, rep);
 	ensure_partitions(&s, now, rep);
+	seal_partitions(&s, now, rep);
 	drop_expired(&s, now, rep);
 	SPI_finish();
 	return true;

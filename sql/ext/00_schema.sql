@@ -25,7 +25,8 @@ CREATE TABLE idempotency.partition_registry (
     relid      regclass    PRIMARY KEY,
     lower      timestamptz NOT NULL,
     upper      timestamptz NOT NULL,
-    sealed     boolean     NOT NULL DEFAULT false,
+    sealed     boolean     NOT NULL DEFAULT false,  -- no claim can go here any more
+    bloom      bytea,                               -- Bloom filter of a sealed partition's keys
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '');
