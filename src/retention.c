@@ -264,15 +264,6 @@ idem_registry_changed(PG_FUNCTION_ARGS)
 
 /*---- settings ----*/
 
-static Interval *
-seconds_interval(int64 secs)
-{
-	Interval   *iv = palloc0(sizeof(Interval));
-
-	iv->time = secs * USECS_PER_SEC;
-	return iv;
-}
-
 /* Current settings; needs an SPI connection. */
 static IdemSettings
 read_settings(void)
@@ -758,6 +749,7 @@ idem_configure(PG_FUNCTION_ARGS)
 	int64		old_interval;
 	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
 	Datum		values[3];
+	char		nulls[3];
 
 	check_maintenance_privilege("configure idempotency");
 
@@ -794,15 +786,21 @@ idem_configure(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("premake must be between 1 and %d", MAX_PREMAKE)));
 
-	values[0] = IntervalPGetDatum(seconds_interval(s.retention));
-	values[1] = IntervalPGetDatum(seconds_interval(s.interval));
-	values[2] = Int32GetDatum(s.premake);
-	spi_exec("INSERT INTO idempotency.settings AS s (retention, partition_interval, premake)"
-			 " VALUES ($1, $2, $3) ON CONFLICT (singleton) DO UPDATE"
-			 " SET retention = EXCLUDED.retention,"
-			 "     partition_interval = EXCLUDED.partition_interval,"
-			 "     premake = EXCLUDED.premake",
-			 3, types, values, SPI_OK_INSERT);
+	/* store intervals as given (NULL keeps the stored or default value) */
+	for (int i = 0; i < 3; i++)
+	{
+		values[i] = PG_GETARG_DATUM(i);
+		nulls[i] = PG_ARGISNULL(i) ? 'n' : ' ';
+	}
+	if (SPI_execute_with_args("INSERT INTO idempotency.settings AS s (retention, partition_interval, premake)"
+							  " VALUES (coalesce($1, interval '7 days'), coalesce($2, interval '1 day'),"
+							  "         coalesce($3, 4))"
+							  " ON CONFLICT (singleton) DO UPDATE"
+							  " SET retention = coalesce($1, s.retention),"
+							  "     partition_interval = coalesce($2, s.partition_interval),"
+							  "     premake = coalesce($3, s.premake)",
+							  3, types, values, nulls, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not update idempotency.settings");
 	SPI_finish();
 
 	/* new settings take effect now (after a round that is running ends) */
