@@ -123,3 +123,26 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- for the demo script: cut off (pg_terminate_backend) a consumer that is
+-- inside a write transaction; polls for up to `wait`; returns its pid or NULL
+CREATE FUNCTION demo.terminate_a_consumer(wait interval DEFAULT '2 seconds') RETURNS int
+LANGUAGE plpgsql AS $$
+DECLARE
+    p int;
+    deadline timestamptz := clock_timestamp() + wait;
+BEGIN
+    LOOP
+        PERFORM pg_stat_clear_snapshot();
+        SELECT pid INTO p FROM pg_stat_activity
+        WHERE application_name LIKE 'consumer-%' AND backend_xid IS NOT NULL AND state = 'active'
+        ORDER BY random() LIMIT 1;
+        IF p IS NOT NULL AND pg_terminate_backend(p) THEN
+            RETURN p;
+        END IF;
+        EXIT WHEN clock_timestamp() > deadline;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    RETURN NULL;
+END
+$$;
