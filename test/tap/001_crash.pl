@@ -1,6 +1,8 @@
 # Claims across a crash (pg_ctl stop -m immediate, then start):
 # a committed claim survives; a claim whose transaction was still open at the
 # crash is gone, so the event it guarded can be claimed and applied again.
+# IDEM_TAP_PORT, if set, fixes the node's port (it listens on a private unix
+# socket only, so any port is free).
 use strict;
 use warnings;
 
