@@ -9,17 +9,14 @@
 # version, the others a newer one.
 #
 # Connection: the standard libpq variables (PGHOST, PGPORT, PGDATABASE, PGUSER).
-# Knobs: GUARDS_BENCH_SECONDS (per round and variant, default 3),
-#        GUARDS_BENCH_ROUNDS (default 10), GUARDS_BENCH_CLIENTS (default 2).
+# Knobs: IDEM_BENCH_SECONDS (per round and variant, default 5),
+#        IDEM_BENCH_ROUNDS (default 5), IDEM_BENCH_CLIENTS (default 2).
 # Many short interleaved rounds and the median of each variant keep a noisy
 # shared machine from deciding the result; lengthen both for a real figure.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-secs=${GUARDS_BENCH_SECONDS:-3}
-rounds=${GUARDS_BENCH_ROUNDS:-10}
-clients=${GUARDS_BENCH_CLIENTS:-2}
-export PGOPTIONS="${PGOPTIONS:-} -c synchronous_commit=off"
+. "$here/lib.sh"
 
 psql_q() { psql -X -q -v ON_ERROR_STOP=1 "$@"; }
 
@@ -42,29 +39,20 @@ SELECT idem_guard_version('guards_bench_guard');
 VACUUM ANALYZE guards_bench_hand, guards_bench_guard, guards_bench_idem;
 SQL
 
-# tps of one pgbench run of script $1
-run() {
-    pgbench -n -M prepared -c "$clients" -j "$clients" -T "$secs" -f "$here/$1" 2>&1 |
-        sed -n 's/^tps = \([0-9.]*\) .*/\1/p'
-}
-
 declare -A results=([hand]="" [guard]="" [idem]="")
 variants=(hand guard idem)
 declare -A script=([hand]=guards_handwritten.sql [guard]=guards_table_guard.sql [idem]=guards_idem_upsert.sql)
-for ((r = 0; r < rounds; r++)); do
+for ((r = 0; r < ROUNDS; r++)); do
     # rotate the order each round so no variant always runs first
     for ((k = 0; k < 3; k++)); do
         v=${variants[$(((r + k) % 3))]}
-        tps=$(run "${script[$v]}")
+        tps=$(bench_tps "${script[$v]}")
         [ -n "$tps" ] || { echo "guards: pgbench failed for $v" >&2; exit 1; }
         echo "guards: round $((r + 1)) $v: $tps tps" >&2
         results[$v]+="$tps "
     done
 done
 
-median() { tr ' ' '\n' <<<"${results[$1]}" | grep . | sort -g |
-           awk '{a[NR] = $1} END {printf "%.0f", (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
-hand=$(median hand); guard=$(median guard); idem=$(median idem)
-ratio() { awk -v a="$1" -v b="$hand" 'BEGIN {printf "%.2f", a / b}'; }
-echo "guards: guarded upsert vs hand-written ON CONFLICT … WHERE version <: $(ratio "$guard")x ($guard vs $hand tps, median of $rounds rounds)"
-echo "guards: idem_upsert vs hand-written ON CONFLICT … WHERE version <: $(ratio "$idem")x ($idem vs $hand tps, median of $rounds rounds)"
+read -ra hand <<<"${results[hand]}"; read -ra guard <<<"${results[guard]}"; read -ra idem <<<"${results[idem]}"
+bench_ratio "guards: table guard vs hand-written ON CONFLICT WHERE version <" "guarded upsert" "${guard[@]}" -- "hand-written" "${hand[@]}"
+bench_ratio "guards: idem_upsert vs hand-written ON CONFLICT WHERE version <" idem_upsert "${idem[@]}" -- "hand-written" "${hand[@]}"

@@ -1,0 +1,43 @@
+# test/bench/lib.sh: helpers shared by the benchmark scripts (sourced).
+#
+# Settings: IDEM_BENCH_ROUNDS (default 5), IDEM_BENCH_SECONDS per round
+# (default 5), IDEM_BENCH_CLIENTS (default 2).
+#
+# bench_tps SCRIPT        one pgbench round of test/bench/SCRIPT; prints its tps
+#                         (-M prepared, synchronous_commit = off: the commit
+#                         flush would hide CPU cost)
+# bench_median N...       median of the numbers
+# bench_ratio LABEL CAND_NAME CAND_TPS... -- BASE_NAME BASE_TPS...
+#                         prints "LABEL: CAND x tps vs BASE y tps = r.rrx" from
+#                         the medians (test/bench/run collects these lines)
+
+ROUNDS=${IDEM_BENCH_ROUNDS:-5}
+SECS=${IDEM_BENCH_SECONDS:-5}
+CLIENTS=${IDEM_BENCH_CLIENTS:-2}
+bench_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+bench_tps() {
+    local out
+    out=$(PGOPTIONS="${PGOPTIONS:-} -c synchronous_commit=off" pgbench -n -M prepared \
+        -c "$CLIENTS" -j "$CLIENTS" -T "$SECS" -f "$bench_dir/$1" 2>&1) ||
+        { echo "$out" >&2; echo "pgbench failed on $1" >&2; return 1; }
+    sed -n 's/^tps = \([0-9.]*\) .*/\1/p' <<<"$out" | head -n 1
+}
+
+bench_median() {
+    printf '%s\n' "$@" | sort -g |
+        awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+bench_ratio() {
+    local label=$1 cname=$2 bname c=() b=()
+    shift 2
+    while [[ $1 != -- ]]; do c+=("$1"); shift; done
+    shift
+    bname=$1
+    shift
+    b=("$@")
+    awk -v l="$label" -v cn="$cname" -v bn="$bname" \
+        -v c="$(bench_median "${c[@]}")" -v b="$(bench_median "${b[@]}")" \
+        'BEGIN { printf "%s: %s %.0f tps vs %s %.0f tps = %.2fx\n", l, cn, c, bn, b, c / b }'
+}
