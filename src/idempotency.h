@@ -59,6 +59,8 @@ extern int	idem_maintain_round(int elevel);
 
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);
+extern PGDLLEXPORT void idem_launcher_main(Datum main_arg);
+extern PGDLLEXPORT void idem_worker_main(Datum main_arg);
 
 /* guards.c */
 extern void idem_guards_init(void);
