@@ -13,7 +13,8 @@
  * is told by the postmaster when one of its workers exits and starts it
  * again, but starts a database's worker at most once per naptime, so a
  * worker that dies at once never loops faster than that.  A listed database
- * that does not exist (yet), or does not allow connections, is logged once
+ * that does not exist (yet), does not allow connections or is a template
+ * (a connected worker would block CREATE DATABASE from it) is logged once
  * and looked up again every naptime; no worker is started for it.  On SIGHUP
  * the launcher re-reads the list: new databases get a worker, workers of
  * databases no longer listed are terminated.  When the launcher exits it
@@ -95,6 +96,8 @@ typedef enum ServedProblem
 	SERVED_OK,
 	SERVED_MISSING,				/* no such database */
 	SERVED_NO_CONNECTIONS,		/* datallowconn = false, or invalid */
+	SERVED_TEMPLATE,			/* a template: a worker would block CREATE
+								 * DATABASE */
 	SERVED_NO_SLOT				/* max_worker_processes exhausted */
 } ServedProblem;
 
@@ -290,6 +293,12 @@ report_problem(ServedDatabase *sd, ServedProblem problem)
 							sd->name),
 					 errdetail("It is looked up again every %d s.", idem_worker_naptime)));
 			break;
+		case SERVED_TEMPLATE:
+			ereport(LOG,
+					(errmsg("database \"%s\" listed in idempotency.database is a template database and is not served",
+							sd->name),
+					 errdetail("A connected worker would make CREATE DATABASE from this template fail.")));
+			break;
 		case SERVED_NO_SLOT:
 			ereport(WARNING,
 					(errcode(ERRCODE_CONFIGURATION_LIMIT_EXCEEDED),
@@ -333,6 +342,8 @@ lookup_database(const char *name, ServedProblem *problem)
 #endif
 		if (!db->datallowconn)
 			*problem = SERVED_NO_CONNECTIONS;
+		else if (db->datistemplate)
+			*problem = SERVED_TEMPLATE;
 		else
 		{
 			*problem = SERVED_OK;

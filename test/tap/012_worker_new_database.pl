@@ -4,7 +4,8 @@
 # the extension is missing and keeps checking; once the extension is created
 # the worker maintains it.  A database added to idempotency.database with
 # ALTER SYSTEM and pg_reload_conf() gets a worker; one removed loses it.
-# Throughout, nothing crash-loops and the server stays up.
+# A template database is not served.  Throughout, nothing crash-loops and
+# the server stays up.
 use strict;
 use warnings;
 
@@ -18,7 +19,7 @@ $node->init;
 $node->append_conf(
 	'postgresql.conf', q{
 shared_preload_libraries = 'idempotency'
-idempotency.database = 'late_db'
+idempotency.database = 'late_db, template1'
 idempotency.naptime = 1
 });
 $node->start;
@@ -48,6 +49,11 @@ is(count_in_log(qr/database "late_db" listed in idempotency.database does not ex
 is(worker_pid('late_db'), '', 'no worker for a database that does not exist');
 unlike(slurp_file($node->logfile), qr/exited with exit code/,
 	'no worker started and exited for it');
+
+# a template database is not served (a worker would block CREATE DATABASE)
+is(count_in_log(qr/database "template1" listed in idempotency.database is a template database and is not served/),
+	1, 'template database logged once and not served');
+is(worker_pid('template1'), '', 'no worker for template1');
 
 # created after the server started: the launcher starts its worker
 my $offset = -s $node->logfile;
