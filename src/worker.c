@@ -81,7 +81,7 @@
 #define WORKER_TYPE				"idempotency maintenance"
 
 /* how long the postmaster waits before restarting a launcher that died */
-#define LAUNCHER_RESTART_SECS	10
+#define LAUNCHER_RESTART_SECS	5
 
 /*---- GUC variables ----*/
 
