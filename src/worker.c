@@ -98,7 +98,8 @@ typedef enum ServedProblem
 	SERVED_NO_CONNECTIONS,		/* datallowconn = false, or invalid */
 	SERVED_TEMPLATE,			/* a template: a worker would block CREATE
 								 * DATABASE */
-	SERVED_NO_SLOT				/* max_worker_processes exhausted */
+	SERVED_NO_SLOT,				/* max_worker_processes exhausted */
+	SERVED_LOOKUP_FAILED		/* error looking it up (logged each time) */
 } ServedProblem;
 
 typedef struct ServedDatabase
@@ -280,6 +281,7 @@ report_problem(ServedDatabase *sd, ServedProblem problem)
 	switch (problem)
 	{
 		case SERVED_OK:
+		case SERVED_LOOKUP_FAILED:
 			break;
 		case SERVED_MISSING:
 			ereport(LOG,
@@ -311,12 +313,9 @@ report_problem(ServedDatabase *sd, ServedProblem problem)
 	}
 }
 
-/*
- * Look the database up in pg_database (in its own transaction): its OID,
- * or InvalidOid with *problem set.
- */
+/* Scan pg_database for the named database; inside a transaction. */
 static Oid
-lookup_database(const char *name, ServedProblem *problem)
+scan_pg_database(const char *name, ServedProblem *problem)
 {
 	Relation	rel;
 	TableScanDesc scan;
@@ -324,9 +323,6 @@ lookup_database(const char *name, ServedProblem *problem)
 	Oid			dboid = InvalidOid;
 
 	*problem = SERVED_MISSING;
-
-	StartTransactionCommand();
-	(void) GetTransactionSnapshot();
 	rel = table_open(DatabaseRelationId, AccessShareLock);
 	scan = table_beginscan_catalog(rel, 0, NULL);
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
@@ -353,7 +349,47 @@ lookup_database(const char *name, ServedProblem *problem)
 	}
 	table_endscan(scan);
 	table_close(rel, AccessShareLock);
-	CommitTransactionCommand();
+	return dboid;
+}
+
+/*
+ * Look the database up in pg_database, in a transaction of its own: its
+ * OID, or InvalidOid with *problem set.  An error is logged and reported
+ * as SERVED_LOOKUP_FAILED, so the launcher (whose exit would take every
+ * worker down) survives it and tries again a naptime later.
+ */
+static Oid
+lookup_database(const char *name, ServedProblem *problem)
+{
+	MemoryContext oldcxt = CurrentMemoryContext;
+	volatile Oid dboid = InvalidOid;
+	volatile ServedProblem result = SERVED_LOOKUP_FAILED;
+
+	StartTransactionCommand();
+	PG_TRY();
+	{
+		ServedProblem found;
+
+		(void) GetTransactionSnapshot();
+		dboid = scan_pg_database(name, &found);
+		result = found;
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		HOLD_INTERRUPTS();
+		MemoryContextSwitchTo(oldcxt);
+		EmitErrorReport();
+		AbortCurrentTransaction();
+		FlushErrorState();
+		RESUME_INTERRUPTS();
+		dboid = InvalidOid;
+		result = SERVED_LOOKUP_FAILED;
+	}
+	PG_END_TRY();
+	MemoryContextSwitchTo(oldcxt);
+
+	*problem = result;
 	return dboid;
 }
 
