@@ -69,6 +69,8 @@ extern int	idem_maintain_round(int elevel);
 
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);
+extern PGDLLEXPORT void idem_launcher_main(Datum main_arg);
+extern PGDLLEXPORT void idem_worker_main(Datum main_arg);
 
 /* guards.c: per-backend counters of guarded writes */
 typedef struct IdemGuardCounters
