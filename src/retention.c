@@ -479,6 +479,29 @@ ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 }
 
 /*
+ * Run a query over the registry that returns partition OIDs in its first
+ * column, and copy them out (the loop that follows runs more SPI).
+ */
+static Oid *
+registry_oids(const char *sql, int nargs, Oid *types, Datum *values, uint64 *n)
+{
+	Oid		   *oids;
+
+	if (SPI_execute_with_args(sql, nargs, types, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read idempotency.partition_registry");
+	*n = SPI_processed;
+	oids = palloc(sizeof(Oid) * (*n + 1));
+	for (uint64 i = 0; i < *n; i++)
+	{
+		bool		isnull;
+
+		oids[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
+												 SPI_tuptable->tupdesc, 1, &isnull));
+	}
+	return oids;
+}
+
+/*
  * Drop partitions whose every claim is older than the retention window.
  * Claimers stop probing such partitions by themselves (they know the
  * retention), so normally nobody holds a lock on them; a reader of
@@ -494,22 +517,12 @@ drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	Oid		   *victims;
 
 	/* never the newest partition: lagging claims may still go there */
-	if (SPI_execute_with_args("SELECT relid FROM idempotency.partition_registry"
-							  " WHERE upper <= $1 AND relid <> ("
-							  "   SELECT relid FROM idempotency.partition_registry"
-							  "   ORDER BY upper DESC, lower DESC LIMIT 1)"
-							  " ORDER BY lower",
-							  1, types, values, NULL, false, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.partition_registry");
-	n = SPI_processed;
-	victims = palloc(sizeof(Oid) * (n + 1));
-	for (uint64 i = 0; i < n; i++)
-	{
-		bool		isnull;
-
-		victims[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
-													SPI_tuptable->tupdesc, 1, &isnull));
-	}
+	victims = registry_oids("SELECT relid FROM idempotency.partition_registry"
+							" WHERE upper <= $1 AND relid <> ("
+							"   SELECT relid FROM idempotency.partition_registry"
+							"   ORDER BY upper DESC, lower DESC LIMIT 1)"
+							" ORDER BY lower",
+							1, types, values, &n);
 
 	for (uint64 i = 0; i < n; i++)
 	{
@@ -657,22 +670,12 @@ seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 
 	values[0] = timestamptz_datum(add_seconds(now, -1));
 	values[1] = timestamptz_datum(add_seconds(now, -s->retention));
-	if (SPI_execute_with_args("SELECT relid FROM idempotency.partition_registry"
-							  " WHERE NOT sealed AND upper <= $1 AND upper > $2"
-							  "   AND relid <> (SELECT relid FROM idempotency.partition_registry"
-							  "                 ORDER BY upper DESC, lower DESC LIMIT 1)"
-							  " ORDER BY lower",
-							  2, types, values, NULL, false, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.partition_registry");
-	n = SPI_processed;
-	candidates = palloc(sizeof(Oid) * (n + 1));
-	for (uint64 i = 0; i < n; i++)
-	{
-		bool		isnull;
-
-		candidates[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
-													   SPI_tuptable->tupdesc, 1, &isnull));
-	}
+	candidates = registry_oids("SELECT relid FROM idempotency.partition_registry"
+							   " WHERE NOT sealed AND upper <= $1 AND upper > $2"
+							   "   AND relid <> (SELECT relid FROM idempotency.partition_registry"
+							   "                 ORDER BY upper DESC, lower DESC LIMIT 1)"
+							   " ORDER BY lower",
+							   2, types, values, &n);
 
 	for (uint64 i = 0; i < n; i++)
 	{
