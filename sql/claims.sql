@@ -148,6 +148,14 @@ SELECT idem_claim('rr-1');
 SELECT idem_claim('rr-1');
 COMMIT;
 
+-- a read-only transaction may look claims up but not make or release them
+BEGIN READ ONLY;
+SELECT idem_claimed('order-1') IS NOT NULL AS found_read_only;
+SELECT pg_temp.err($$SELECT idem_claim('read-only')$$);
+SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['read-only'])$$);
+SELECT pg_temp.err($$SELECT idem_release('order-1')$$);
+COMMIT;
+
 -- writing to idempotency.claims directly is refused
 SELECT pg_temp.err($$INSERT INTO idempotency.claims VALUES ('default', 'direct', now(), NULL)$$);
 

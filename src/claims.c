@@ -52,6 +52,7 @@
 #include "miscadmin.h"
 #include "nodes/execnodes.h"
 #include "storage/lmgr.h"
+#include "tcop/utility.h"
 #include "storage/lock.h"
 #include "utils/acl.h"
 #include "utils/array.h"
@@ -628,6 +629,7 @@ idem_claim(PG_FUNCTION_ARGS)
 														   Int64GetDatum(IDEM_FINGERPRINT_SEED)));
 
 	check_claims_privilege(idem_partition_set(false), ACL_INSERT, "claim keys");
+	PreventCommandIfReadOnly("idem_claim()");
 	PG_RETURN_BOOL(claim_key(&ck));
 }
 
@@ -704,6 +706,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	check_claims_privilege(idem_partition_set(false), ACL_INSERT, "claim keys");
+	PreventCommandIfReadOnly("idem_claim_many()");
 
 	order = palloc(sizeof(int) * Max(nelems, 1));
 	claimed = palloc0(sizeof(bool) * Max(nelems, 1));
@@ -781,6 +784,7 @@ idem_release(PG_FUNCTION_ARGS)
 	ck.hash = idem_key_hash(ck.scope, ck.key);
 	ck.has_fingerprint = false;
 	check_claims_privilege(idem_partition_set(false), ACL_DELETE, "release claims");
+	PreventCommandIfReadOnly("idem_release()");
 
 	InitDirtySnapshot(dirty);
 	value_locktag(&tag, &ck);
