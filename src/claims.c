@@ -445,7 +445,7 @@ check_fingerprint(ClaimKey *ck, ProbeResult *res)
 						   text_to_cstring(ck->scope), key_for_message(ck->key))));
 }
 
-/* Insert the claim; false if the partition was dropped meanwhile. */
+/* Insert the claim; false if the partition was dropped or sealed meanwhile. */
 static bool
 insert_claim(IdemPartition *part, ClaimKey *ck, TimestampTz now)
 {
@@ -455,7 +455,6 @@ insert_claim(IdemPartition *part, ClaimKey *ck, TimestampTz now)
 	bool	   *nulls;
 	HeapTuple	tup;
 	TupleDesc	desc;
-
 	Oid			relid = part->relid;
 	IdemPartitionSet *set;
 	bool		still_open = false;
@@ -535,7 +534,6 @@ claim_key(ClaimKey *ck)
 		IdemPartition *target;
 		ProbeResult res;
 		bool		covers;
-
 		uint64		generation = set->generation;
 
 		/* duplicates are the common case on redelivery: no lock for them */
