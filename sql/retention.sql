@@ -123,5 +123,17 @@ SELECT idem_claim('after-drop'), idem_claim('after-drop');
 SELECT count(*) AS doubled FROM (
     SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
 
+-- maintenance SQL cannot be hijacked through search_path: an operator put
+-- ahead of pg_catalog is not used
+CREATE SCHEMA evil;
+CREATE FUNCTION evil.ts_le(timestamptz, timestamptz) RETURNS boolean
+    LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'hijacked'; END $$;
+CREATE OPERATOR evil.<= (LEFTARG = timestamptz, RIGHTARG = timestamptz, FUNCTION = evil.ts_le);
+SET search_path = evil, pg_catalog, public;
+SELECT count(*) >= 0 AS ran FROM idem_maintain();
+SELECT idem_configure(premake => 2);
+RESET search_path;
+DROP SCHEMA evil CASCADE;
+
 SET client_min_messages = warning;
 DROP EXTENSION idempotency CASCADE;

@@ -48,6 +48,7 @@
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/datetime.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -700,6 +701,22 @@ seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	}
 }
 
+/*
+ * Maintenance runs SQL as the owner of idempotency.claims (often a
+ * superuser): pin search_path so that no operator or function a user put on
+ * it can stand in for the built-in ones.  Undo with AtEOXact_GUC().
+ */
+static int
+pin_search_path(void)
+{
+	int			nestlevel = NewGUCNestLevel();
+
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, 0, false);
+	return nestlevel;
+}
+
 /* One maintenance round; returns false if another session holds the lock. */
 static bool
 maintain(MaintainReport *rep, bool wait, bool reshape)
@@ -707,11 +724,13 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	LOCKTAG		tag;
 	IdemSettings s;
 	TimestampTz now;
+	int			nestlevel;
 
 	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, IDEM_LOCKTAG_MAINTAIN);
 	if (LockAcquire(&tag, ExclusiveLock, false, !wait) == LOCKACQUIRE_NOT_AVAIL)
 		return false;
 
+	nestlevel = pin_search_path();
 	SPI_connect();
 	s = read_settings();
 	now = GetCurrentTimestamp();
@@ -722,6 +741,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	seal_partitions(&s, now, rep);
 	drop_expired(&s, now, rep);
 	SPI_finish();
+	AtEOXact_GUC(true, nestlevel);
 	return true;
 }
 
@@ -753,9 +773,11 @@ idem_configure(PG_FUNCTION_ARGS)
 	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
 	Datum		values[3];
 	char		nulls[3];
+	int			nestlevel;
 
 	check_maintenance_privilege("configure idempotency");
 
+	nestlevel = pin_search_path();
 	SPI_connect();
 	s = read_settings();
 	old_interval = s.interval;
@@ -805,6 +827,7 @@ idem_configure(PG_FUNCTION_ARGS)
 							  3, types, values, nulls, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not update idempotency.settings");
 	SPI_finish();
+	AtEOXact_GUC(true, nestlevel);
 
 	/* new settings take effect now (after a round that is running ends) */
 	maintain(NULL, true, s.interval != old_interval);

@@ -15,17 +15,23 @@ COMMENT ON FUNCTION idem_configure(interval, interval, integer) IS
 COMMENT ON FUNCTION idem_maintain() IS
     'create partitions ahead and drop expired ones; one row per action';
 
--- Each partition with its time range, state and size.
+-- Each partition with its time range, state and size.  States: future
+-- (premade), current (takes claims now), sealing (its range has passed; the
+-- next maintenance round seals it), sealed (takes no more claims; checked
+-- through its Bloom filter), expired (every claim older than the retention
+-- window; dropped by the next round that can lock it).
 CREATE VIEW idempotency.partitions AS
 SELECT r.relid AS partition,
        r.lower,
        r.upper,
        CASE
            WHEN r.upper <= now() - s.retention THEN 'expired'
+           WHEN r.sealed THEN 'sealed'
            WHEN r.lower > now() THEN 'future'
            WHEN now() < r.upper THEN 'current'
-           ELSE 'sealed'
+           ELSE 'sealing'
        END AS state,
+       r.bloom IS NOT NULL AS has_bloom_filter,
        pg_catalog.pg_total_relation_size(r.relid) AS bytes
 FROM idempotency.partition_registry r
 CROSS JOIN (SELECT coalesce((SELECT retention FROM idempotency.settings),
