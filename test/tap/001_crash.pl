@@ -1,21 +1,15 @@
 # Claims across a crash (pg_ctl stop -m immediate, then start):
 # a committed claim survives; a claim whose transaction was still open at the
 # crash is gone, so the event it guarded can be claimed and applied again.
-# IDEM_TAP_PORT, if set, fixes the node's port (it listens on a private unix
-# socket only, so any port is free).
 use strict;
 use warnings;
 
 use IPC::Run;
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('crash',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->append_conf('postgresql.conf', 'synchronous_commit = on');
-$node->start;
+my $node = idem_node('crash', conf => 'synchronous_commit = on');
 
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 

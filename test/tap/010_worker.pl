@@ -6,30 +6,14 @@
 use strict;
 use warnings;
 
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('worker',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->append_conf(
-	'postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.database = 'postgres'
-idempotency.naptime = 1
-});
-$node->start;
-
-my $worker_pid_sql = q{
-	SELECT pid FROM pg_stat_activity
-	 WHERE backend_type = 'idempotency maintenance' AND datname = 'postgres'};
+my $node = idem_node('worker', conf => worker_conf('postgres'));
 
 # the launcher and the worker of database postgres
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency maintenance' AND datname = 'postgres'"
-	),
+ok(wait_for_workers($node, 'postgres', 1),
 	'worker of database postgres shows in pg_stat_activity');
 is( $node->safe_psql(
 		'postgres',
@@ -39,16 +23,8 @@ is( $node->safe_psql(
 is($node->safe_psql('postgres', 'SHOW idempotency.naptime'),
 	'1s', 'idempotency.naptime is set');
 
-# 1-second partitions kept for 3 seconds.  CREATE EXTENSION premade
-# partitions of the default 1 day; move them into the past so they expire
-# and the worker has to make the 1-second ones.
-$node->safe_psql(
-	'postgres', q{
-CREATE EXTENSION idempotency;
-SELECT idem_configure(retention => '3 seconds', partition_interval => '1 second', premake => 3);
-UPDATE idempotency.partition_registry
-   SET lower = lower - interval '30 days', upper = upper - interval '30 days';
-});
+# 1-second partitions kept for 3 seconds
+setup_second_partitions($node, 'postgres', retention => '3 seconds', premake => 3);
 
 # the worker creates 1-second partitions ahead of time ...
 ok( $node->poll_query_until(
@@ -82,20 +58,18 @@ is($node->safe_psql('postgres', "SELECT idem_claim('w1')"),
 	't', 'w1 can be claimed again after retention');
 
 # pg_terminate_backend: the launcher starts it again
-my $pid = $node->safe_psql('postgres', $worker_pid_sql);
+my $pid = worker_pid($node, 'postgres');
 isnt($pid, '', "worker pid $pid");
 is($node->safe_psql('postgres', "SELECT pg_terminate_backend($pid)"),
 	't', 'terminate the worker');
 ok( $node->poll_query_until(
-		'postgres', "SELECT count(*) = 1 FROM ($worker_pid_sql) w WHERE pid <> $pid"),
-	'worker comes back after pg_terminate_backend');
-my $pid2 = $node->safe_psql('postgres', $worker_pid_sql);
-isnt($pid2, $pid, "new worker pid $pid2");
-my $upper = $node->safe_psql('postgres',
-	'SELECT max(upper) FROM idempotency.partition_registry');
-ok( $node->poll_query_until(
 		'postgres',
-		"SELECT max(upper) > '$upper' FROM idempotency.partition_registry"),
+		'SELECT count(*) = 1 FROM (' . worker_pid_sql('postgres') . ") w WHERE pid <> $pid"),
+	'worker comes back after pg_terminate_backend');
+my $pid2 = worker_pid($node, 'postgres');
+isnt($pid2, $pid, "new worker pid $pid2");
+my $upper = $node->safe_psql('postgres', $newest_sql);
+ok($node->poll_query_until('postgres', "SELECT ($newest_sql) > '$upper'"),
 	'the new worker maintains');
 
 # an error in a round: logged, retried by the same process, no exit
@@ -108,24 +82,21 @@ $node->wait_for_log(
 	qr/LOG:  idempotency maintenance round in database "postgres" failed, retrying in 1 s/,
 	$offset);
 # let it fail a few more rounds
-$node->poll_query_until(
-	'postgres', "SELECT max(upper) < now() - interval '1 second' FROM idempotency.partition_registry");
+$node->poll_query_until('postgres',
+	"SELECT ($newest_sql) < now() - interval '1 second'");
 my $log = slurp_file($node->logfile, $offset);
 my $failures = () = $log =~ /round in database "postgres" failed/g;
 cmp_ok($failures, '>=', 2, "failing round retried every naptime ($failures failures)");
-is($node->safe_psql('postgres', $worker_pid_sql),
+is(worker_pid($node, 'postgres'),
 	$pid2, 'the same worker process keeps running through the errors');
 unlike($log, qr/background worker "idempotency maintenance" \(PID \d+\) exited/,
 	'no worker exited');
 
 $node->safe_psql('postgres',
 	'ALTER TABLE idempotency.settings_broken RENAME TO settings');
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT max(upper) > now() + interval '1 second' FROM idempotency.partition_registry"),
+ok(wait_partitions_ahead($node, 'postgres'),
 	'rounds succeed again once the cause is fixed');
-is($node->safe_psql('postgres', $worker_pid_sql),
-	$pid2, 'still the same worker process');
+is(worker_pid($node, 'postgres'), $pid2, 'still the same worker process');
 is($node->safe_psql('postgres', "SELECT idem_claim('w2')"),
 	't', 'claims work after the failed rounds');
 

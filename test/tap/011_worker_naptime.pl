@@ -4,39 +4,16 @@
 use strict;
 use warnings;
 
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('naptime',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->append_conf(
-	'postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.database = 'postgres'
-idempotency.naptime = 1
-});
-$node->start;
-
-my $worker_pid_sql = q{
-	SELECT pid FROM pg_stat_activity
-	 WHERE backend_type = 'idempotency maintenance' AND datname = 'postgres'};
-my $newest_sql = 'SELECT max(upper) FROM idempotency.partition_registry';
-
-$node->safe_psql(
-	'postgres', q{
-CREATE EXTENSION idempotency;
-SELECT idem_configure(retention => '1 minute', partition_interval => '1 second', premake => 2);
-UPDATE idempotency.partition_registry
-   SET lower = lower - interval '30 days', upper = upper - interval '30 days';
-});
+my $node = idem_node('naptime', conf => worker_conf('postgres'));
+setup_second_partitions($node, 'postgres', retention => '1 minute', premake => 2);
 
 # with naptime 1 the worker keeps 1-second partitions ahead of now
-ok( $node->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
-	'rounds run with naptime 1');
-my $pid = $node->safe_psql('postgres', $worker_pid_sql);
+ok(wait_partitions_ahead($node, 'postgres'), 'rounds run with naptime 1');
+my $pid = worker_pid($node, 'postgres');
 isnt($pid, '', "worker pid $pid");
 
 # naptime 1 hour: the reload wakes the worker, which then sleeps for an hour
@@ -66,11 +43,9 @@ is($node->safe_psql('postgres', "SELECT idem_claim('lag')"),
 # back to 1 second: rounds resume at once
 $node->safe_psql('postgres',
 	"ALTER SYSTEM SET idempotency.naptime = 1; SELECT pg_reload_conf();");
-ok( $node->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
+ok(wait_partitions_ahead($node, 'postgres'),
 	'rounds resume after reloading naptime 1');
-is($node->safe_psql('postgres', $worker_pid_sql),
-	$pid, 'same worker process throughout');
+is(worker_pid($node, 'postgres'), $pid, 'same worker process throughout');
 is($node->safe_psql('postgres', "SELECT idem_claim('lag')"),
 	'f', 'the claim made while lagging is still found');
 

@@ -8,33 +8,19 @@ use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $primary = PostgreSQL::Test::Cluster->new('primary',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$primary->init(allows_streaming => 1);
-$primary->append_conf(
-	'postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.database = 'postgres'
-idempotency.naptime = 1
-});
-$primary->start;
+my $primary = idem_node(
+	'primary',
+	init => [ allows_streaming => 1 ],
+	conf => worker_conf('postgres'));
 
 my $idem_backends_sql = q{
 	SELECT count(*) FROM pg_stat_activity
 	 WHERE backend_type IN ('idempotency maintenance', 'idempotency launcher')};
-my $newest_sql = 'SELECT max(upper) FROM idempotency.partition_registry';
 
-$primary->safe_psql(
-	'postgres', q{
-CREATE EXTENSION idempotency;
-SELECT idem_configure(retention => '1 minute', partition_interval => '1 second', premake => 2);
-UPDATE idempotency.partition_registry
-   SET lower = lower - interval '30 days', upper = upper - interval '30 days';
-});
-ok( $primary->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
-	'primary: worker maintains');
+setup_second_partitions($primary, 'postgres', retention => '1 minute', premake => 2);
+ok(wait_partitions_ahead($primary, 'postgres'), 'primary: worker maintains');
 is($primary->safe_psql('postgres', "SELECT idem_claim('before-backup')"),
 	't', 'primary: claim before the backup');
 
@@ -63,20 +49,14 @@ unlike(slurp_file($standby->logfile),
 	'standby: no maintenance logged while in recovery');
 
 # the primary's worker kept going meanwhile
-ok( $primary->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
-	'primary: still maintained');
+ok(wait_partitions_ahead($primary, 'postgres'), 'primary: still maintained');
 $primary->wait_for_catchup($standby);
 
 # promote: the worker starts on the new primary and maintains it
 $standby->promote;
 is($standby->safe_psql('postgres', 'SELECT pg_is_in_recovery()'),
 	'f', 'standby promoted');
-ok( $standby->poll_query_until(
-		'postgres', q{
-SELECT count(*) = 1 FROM pg_stat_activity
- WHERE backend_type = 'idempotency maintenance' AND datname = 'postgres'}),
-	'promoted: worker starts');
+ok(wait_for_workers($standby, 'postgres', 1), 'promoted: worker starts');
 $standby->wait_for_log(
 	qr/idempotency maintenance worker started for database "postgres"/);
 $standby->wait_for_log(qr/idempotency maintenance: create idempotency\.claims_/);
@@ -88,8 +68,7 @@ is( $standby->safe_psql(
 	),
 	'1',
 	"promoted: worker created and registered partition $created");
-ok( $standby->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
+ok(wait_partitions_ahead($standby, 'postgres'),
 	'promoted: worker keeps partitions ahead of now');
 
 # claims on the promoted node

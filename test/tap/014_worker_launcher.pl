@@ -4,20 +4,11 @@
 use strict;
 use warnings;
 
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('launcher',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->append_conf(
-	'postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.database = 'postgres'
-idempotency.naptime = 1
-});
-$node->start;
+my $node = idem_node('launcher', conf => worker_conf('postgres'));
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
 my $count_sql = q{

@@ -6,15 +6,12 @@
 use strict;
 use warnings;
 
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('cron',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->append_conf(
-	'postgresql.conf', q{
+my $node = idem_node(
+	'cron', conf => q{
 shared_preload_libraries = 'pg_cron,idempotency'
 cron.database_name = 'postgres'
 cron.use_background_workers = on
@@ -22,29 +19,15 @@ max_worker_processes = 16
 idempotency.database = 'postgres'
 idempotency.naptime = 1
 });
-$node->start;
 
-my $worker_pid_sql = q{
-	SELECT pid FROM pg_stat_activity
-	 WHERE backend_type = 'idempotency maintenance' AND datname = 'postgres'};
-my $newest_sql = 'SELECT max(upper) FROM idempotency.partition_registry';
-
-$node->safe_psql(
-	'postgres', q{
-CREATE EXTENSION pg_cron;
-CREATE EXTENSION idempotency;
-SELECT idem_configure(retention => '3 seconds', partition_interval => '1 second', premake => 3);
-UPDATE idempotency.partition_registry
-   SET lower = lower - interval '30 days', upper = upper - interval '30 days';
-});
+$node->safe_psql('postgres', 'CREATE EXTENSION pg_cron');
+setup_second_partitions($node, 'postgres', retention => '3 seconds', premake => 3);
 note('pg_cron version '
 	  . $node->safe_psql('postgres',
 		"SELECT extversion FROM pg_extension WHERE extname = 'pg_cron'"));
 
-ok( $node->poll_query_until(
-		'postgres', "SELECT ($newest_sql) > now() + interval '1 second'"),
-	'worker maintains');
-my $pid = $node->safe_psql('postgres', $worker_pid_sql);
+ok(wait_partitions_ahead($node, 'postgres'), 'worker maintains');
+my $pid = worker_pid($node, 'postgres');
 isnt($pid, '', "worker pid $pid");
 
 # the schedule documented in the README
@@ -71,8 +54,7 @@ note('job_run_details: '
 	  ));
 
 # the worker was not disturbed
-is($node->safe_psql('postgres', $worker_pid_sql),
-	$pid, 'the worker kept running beside pg_cron');
+is(worker_pid($node, 'postgres'), $pid, 'the worker kept running beside pg_cron');
 my $newest = $node->safe_psql('postgres', $newest_sql);
 ok( $node->poll_query_until(
 		'postgres', "SELECT ($newest_sql) > '$newest'"),

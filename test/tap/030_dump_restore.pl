@@ -4,14 +4,11 @@
 use strict;
 use warnings;
 
-use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
-my $node = PostgreSQL::Test::Cluster->new('dump',
-	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
-$node->init;
-$node->start;
+my $node = idem_node('dump');
 
 $node->safe_psql('postgres', 'CREATE DATABASE source');
 $node->safe_psql('postgres', 'CREATE DATABASE target');
