@@ -9,13 +9,16 @@
  * (scope, key).  A unique index only guards one partition, so uniqueness
  * across partitions uses its own value lock, in the way of ON CONFLICT:
  *
- *	1. probe the live partitions newest first with a dirty snapshot; a
- *	   committed (or our own) claim means "duplicate"; a claim of a
- *	   transaction still in progress means: wait for it, then start over;
- *	2. nothing found: take the value lock, a transaction-level lock on a
- *	   hash of (scope, key) in a private advisory locktag space, probe again,
- *	   insert into the partition that covers the current time, and release
- *	   the value lock at once.
+ *	1. look in the sealed partitions, which take no more claims, without any
+ *	   lock (their Bloom filters rule most keys out in memory);
+ *	2. take the value lock, a transaction-level lock on a hash of
+ *	   (scope, key) in a private advisory locktag space, and look in the
+ *	   partitions that still take claims; insert into the one that covers
+ *	   the current time, and release the value lock at once.
+ *
+ * Every probe uses a dirty snapshot: a committed (or our own) claim means
+ * "duplicate"; a claim of a transaction still in progress means: release
+ * the value lock, wait for that transaction, then start over.
  *
  * Locking rules: nobody ever waits for another transaction while holding a
  * value lock (we release it first), so value locks never join a deadlock
@@ -106,6 +109,7 @@ typedef struct ClaimKey
 typedef enum ProbeScope
 {
 	PROBE_LIVE,					/* all live ones; sealed ones via their filter */
+	PROBE_SEALED,				/* only sealed ones, via their filter */
 	PROBE_UNSEALED				/* only those that can still take claims */
 } ProbeScope;
 
@@ -332,6 +336,8 @@ probe_all(IdemPartitionSet *set, TimestampTz now, Snapshot snap, ClaimKey *ck,
 			if (p->bloom_bits > 0 && !idem_bloom_maybe(p->bloom, p->bloom_bits, ck->hash))
 				continue;
 		}
+		else if (scope == PROBE_SEALED)
+			continue;
 		if (probe_partition(p, snap, ck, res))
 			return;
 	}
@@ -536,9 +542,13 @@ claim_key(ClaimKey *ck)
 		bool		covers;
 		uint64		generation = set->generation;
 
-		/* duplicates are the common case on redelivery: no lock for them */
+		/*
+		 * Sealed partitions take no more claims: look there without the
+		 * value lock, once.  Partitions that still take claims are looked at
+		 * under it, right before the insert.
+		 */
 		target = covering_partition(set, now, &covers);
-		probe_all(set, now, &dirty, ck, target, PROBE_LIVE, &res);
+		probe_all(set, now, &dirty, ck, target, PROBE_SEALED, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
@@ -573,8 +583,8 @@ claim_key(ClaimKey *ck)
 
 		/*
 		 * A partition sealed before the first probe has taken no claim since,
-		 * so only unsealed ones need a second look -- unless the partition
-		 * list changed in between, and then all of them do.
+		 * so only unsealed ones need a look -- unless the partition list
+		 * changed in between, and then all of them do.
 		 */
 		probe_all(set, now, &dirty, ck, target,
 				  set->generation == generation ? PROBE_UNSEALED : PROBE_LIVE, &res);
