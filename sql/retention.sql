@@ -123,6 +123,30 @@ SELECT idem_claim('after-drop'), idem_claim('after-drop');
 SELECT count(*) AS doubled FROM (
     SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
 
+-- sealing: a partition whose range has passed is sealed with a Bloom
+-- filter, and every claim in it is still found (no false negatives)
+SELECT idem_configure(retention => '30 days', partition_interval => '1 day', premake => 1);
+CREATE TABLE idempotency.claims_past () INHERITS (idempotency.claims);
+CREATE UNIQUE INDEX ON idempotency.claims_past (scope, key);
+ALTER TABLE idempotency.claims DISABLE TRIGGER claims_read_only;
+INSERT INTO idempotency.claims_past
+SELECT CASE WHEN g % 3 = 0 THEN 'other' ELSE 'default' END, 'past-' || g,
+       now() - interval '10 days', NULL
+  FROM generate_series(1, 5000) g;
+ALTER TABLE idempotency.claims ENABLE TRIGGER claims_read_only;
+INSERT INTO idempotency.partition_registry (relid, lower, upper)
+VALUES ('idempotency.claims_past', now() - interval '11 days', now() - interval '9 days');
+SELECT action FROM idem_maintain() WHERE object = 'idempotency.claims_past';
+SELECT state, has_bloom_filter FROM idempotency.partitions
+ WHERE partition = 'idempotency.claims_past'::regclass;
+SELECT count(*) AS claimed_again FROM idem_claim_many(ARRAY(
+    SELECT 'past-' || g FROM generate_series(1, 5000) g WHERE g % 3 <> 0));
+SELECT count(*) AS claimed_again FROM idem_claim_many(ARRAY(
+    SELECT 'past-' || g FROM generate_series(1, 5000) g WHERE g % 3 = 0), 'other');
+SELECT count(*) AS new_keys FROM idem_claim_many(ARRAY(
+    SELECT 'past-' || g FROM generate_series(5001, 5100) g));
+SELECT count(*) AS in_other_scope FROM idem_claim_many(ARRAY['past-1', 'past-2'], 'other');
+
 -- maintenance SQL cannot be hijacked through search_path: an operator put
 -- ahead of pg_catalog is not used
 CREATE SCHEMA evil;

@@ -38,6 +38,7 @@ extern uint64 idem_key_hash(text *scope, text *key);
 /* Bloom filters of sealed partitions (claims.c) */
 #define IDEM_BLOOM_HASHES		7
 #define IDEM_BLOOM_BITS_PER_KEY	10
+#define IDEM_BLOOM_ROUND_BITS	512		/* filter sizes are multiples of this */
 extern void idem_bloom_add(uint8 *bloom, uint32 nbits, uint64 hash);
 extern bool idem_bloom_maybe(const uint8 *bloom, uint32 nbits, uint64 hash);
 

@@ -632,8 +632,8 @@ build_bloom(Oid relid)
 
 	if (nkeys <= IDEM_BLOOM_MAX_KEYS)
 	{
-		nbits = (uint32) Max(nkeys * IDEM_BLOOM_BITS_PER_KEY, 64);
-		nbits = (nbits + 7) & ~7;
+		nbits = (uint32) Max(nkeys * IDEM_BLOOM_BITS_PER_KEY, IDEM_BLOOM_ROUND_BITS);
+		nbits = (nbits + IDEM_BLOOM_ROUND_BITS - 1) / IDEM_BLOOM_ROUND_BITS * IDEM_BLOOM_ROUND_BITS;
 		bloom = palloc0(VARHDRSZ + nbits / 8);
 		SET_VARSIZE(bloom, VARHDRSZ + nbits / 8);
 
