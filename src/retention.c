@@ -480,6 +480,14 @@ ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 }
 
 /*
+ * Registry condition: not the newest partition, which claims go into while
+ * maintenance lags (so it is neither sealed nor dropped).
+ */
+#define NOT_NEWEST_PARTITION \
+	"relid <> (SELECT relid FROM idempotency.partition_registry" \
+	"          ORDER BY upper DESC, lower DESC LIMIT 1)"
+
+/*
  * Run a query over the registry that returns partition OIDs in its first
  * column, and copy them out (the loop that follows runs more SPI).
  */
@@ -519,9 +527,7 @@ drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 
 	/* never the newest partition: lagging claims may still go there */
 	victims = registry_oids("SELECT relid FROM idempotency.partition_registry"
-							" WHERE upper <= $1 AND relid <> ("
-							"   SELECT relid FROM idempotency.partition_registry"
-							"   ORDER BY upper DESC, lower DESC LIMIT 1)"
+							" WHERE upper <= $1 AND " NOT_NEWEST_PARTITION
 							" ORDER BY lower",
 							1, types, values, &n);
 
@@ -673,8 +679,7 @@ seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	values[1] = timestamptz_datum(add_seconds(now, -s->retention));
 	candidates = registry_oids("SELECT relid FROM idempotency.partition_registry"
 							   " WHERE NOT sealed AND upper <= $1 AND upper > $2"
-							   "   AND relid <> (SELECT relid FROM idempotency.partition_registry"
-							   "                 ORDER BY upper DESC, lower DESC LIMIT 1)"
+							   "   AND " NOT_NEWEST_PARTITION
 							   " ORDER BY lower",
 							   2, types, values, &n);
 
