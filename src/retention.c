@@ -443,7 +443,14 @@ ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 		have_newest = true;
 	}
 
-	/* the next interval boundary on the grid, at least a second ahead */
+	/*
+	 * The next interval boundary on the grid, at least a second ahead.  When
+	 * extending after a lag, claimers that read the registry before our
+	 * commit keep inserting into the newest partition until they see it; the
+	 * second of slack keeps their claims inside its new range unless one
+	 * stalls longer than that between reading its clock and inserting (its
+	 * claim would then expire that much early).
+	 */
 	next = now - (now % iv_usecs) + iv_usecs;
 	if (next - now < USECS_PER_SEC)
 		next += iv_usecs;
@@ -662,8 +669,8 @@ build_bloom(Oid relid)
 
 /*
  * Seal the partitions whose range has passed: no claim may go into them any
- * more, which lets claimers check them once (through a Bloom filter) rather
- * than twice.  The ShareLock, taken conditionally, proves that no claimer is
+ * more, which lets claimers check them without the value lock, mostly
+ * through a Bloom filter in memory.  The ShareLock, taken conditionally, proves that no claimer is
  * inserting into the partition; one that tries later waits for our commit,
  * then sees the seal and chooses another partition (see insert_claim()).
  */
