@@ -3,7 +3,9 @@
 # The install script idempotency--1.0.sql is assembled from one fragment per
 # subsystem in sql/ext/ (in name order), so each subsystem keeps its SQL next
 # to nothing else's.  Tests are run by test/run-tests, which drives
-# pg_regress, pg_isolation_regress, prove and pg_prove against real servers.
+# pg_regress, pg_isolation_regress, prove and pg_prove against real servers;
+# "make installcheck" runs the regression and isolation tests against a
+# running server (PGHOST, PGPORT, PGUSER).
 
 EXTENSION = idempotency
 MODULE_big = idempotency
@@ -19,6 +21,7 @@ EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
 # regression tests: sql/<name>.sql with expected/<name>.out
 REGRESS = $(basename $(notdir $(sort $(wildcard sql/*.sql))))
 ISOLATION = $(basename $(notdir $(sort $(wildcard test/isolation/specs/*.spec))))
+ISOLATION_OPTS = --inputdir=test/isolation --outputdir=test/isolation/output_iso
 
 # no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
 override with_llvm = no
