@@ -102,10 +102,15 @@ SELECT (SELECT count(*) FROM stress_attempts),
        (SELECT count(*) FROM stress_attempts WHERE NOT claimed),
        (SELECT count(DISTINCT date_trunc('second', claimed_at)) FROM idempotency.claims WHERE scope = 'stress')")"
 partitions=$(sql -c "SELECT count(DISTINCT tableoid) FROM idempotency.claims WHERE scope = 'stress'" 2>/dev/null || echo '?')
+# partitions sealed during the run: duplicates in them were found through
+# their Bloom filters, without the value lock
+sealed=$(sql -c "SELECT count(*) FROM idempotency.partition_registry r
+                 WHERE r.sealed AND EXISTS (SELECT FROM idempotency.claims c
+                                            WHERE c.tableoid = r.relid AND c.scope = 'stress')")
 
 echo "committed attempts: $attempts on $keys keys ($dup_attempts answered false)"
 echo "effects: $effects on $effect_keys keys; committed claims: $claims on $claim_keys keys"
-echo "claims made during $seconds distinct seconds, stored in $partitions partitions"
+echo "claims made during $seconds distinct seconds, stored in $partitions partitions, $sealed of them sealed during the run"
 
 doubled=$(sql -c "SELECT count(*) FROM (SELECT key FROM stress_effects GROUP BY key HAVING count(*) > 1) x")
 double_claims=$(sql -c "SELECT count(*) FROM (SELECT key FROM idempotency.claims WHERE scope = 'stress' GROUP BY key HAVING count(*) > 1) x")
@@ -133,6 +138,9 @@ min_parts=$((SECONDS_RUN / 2 < 5 ? SECONDS_RUN / 2 : 5))
 [[ $seconds -ge $min_parts ]] || fail "claims span only $seconds seconds (expected at least $min_parts)"
 [[ $partitions =~ ^[0-9]+$ && $partitions -ge $min_parts ]] \
     || fail "claims made over $seconds seconds landed in $partitions partition(s), expected at least $min_parts with partition_interval = 1 second: the test crossed no partition boundaries"
+
+[[ $sealed -ge $((min_parts / 2)) ]] \
+    || fail "only $sealed partitions were sealed during the run: the sealed-partition path was not exercised"
 
 if [[ $failed -ne 0 ]]; then
     echo "claims stress: FAILED"
