@@ -34,6 +34,8 @@ SELECT pg_temp.err($$SELECT idem_configure(retention => '12 hours')$$);
 SELECT pg_temp.err($$SELECT idem_configure(premake => 0)$$);
 SELECT pg_temp.err($$SELECT idem_configure(premake => 1001)$$);
 SELECT pg_temp.err($$SELECT idem_configure(retention => 'soon')$$);
+SELECT pg_temp.err($$SELECT idem_configure(retention => '1000000 years', partition_interval => '100000 years')$$);
+SELECT pg_temp.err($$SELECT idem_configure(retention => '1000 years')$$);
 SELECT count(*) AS settings_rows FROM idempotency.settings;
 \set VERBOSITY default
 SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours');

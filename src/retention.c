@@ -76,6 +76,9 @@ PG_FUNCTION_INFO_V1(idem_maintain);
 #define DEFAULT_INTERVAL_SECS		SECS_PER_DAY
 #define DEFAULT_PREMAKE				4
 #define MAX_PREMAKE					1000
+/* keep every partition bound far inside the timestamp range */
+#define MAX_INTERVAL_SECS			(10 * DAYS_PER_YEAR * SECS_PER_DAY)
+#define MAX_RETENTION_SECS			(100 * DAYS_PER_YEAR * SECS_PER_DAY)
 
 /* field4 of our advisory locktags; user advisory locks use 1 and 2 */
 #define IDEM_LOCKTAG_MAINTAIN		0x494D
@@ -812,6 +815,14 @@ idem_configure(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("partition_interval must be at least 1 second")));
+	if (s.interval > MAX_INTERVAL_SECS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("partition_interval must not exceed 10 years")));
+	if (s.retention > MAX_RETENTION_SECS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention must not exceed 100 years")));
 	if (s.retention < s.interval)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
