@@ -131,11 +131,6 @@ typedef struct ProbeResult
 	int64		fingerprint;
 } ProbeResult;
 
-void
-idem_claims_init(void)
-{
-}
-
 /*---- argument checks ----*/
 
 static text *

@@ -22,7 +22,6 @@ void		_PG_init(void);
 void
 _PG_init(void)
 {
-	idem_claims_init();
 	idem_retention_init();
 	idem_guards_init();
 	idem_worker_init();

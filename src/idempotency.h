@@ -32,7 +32,6 @@ extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 
 /* claims.c */
-extern void idem_claims_init(void);
 extern uint64 idem_key_hash(text *scope, text *key);
 
 /* Bloom filters of sealed partitions (claims.c) */
