@@ -1,14 +1,7 @@
 -- Claims: every outcome and error of SPEC section 1.
 CREATE EXTENSION idempotency;
 
--- errors as "SQLSTATE: message", so the expected output pins both
-CREATE FUNCTION pg_temp.err(sql text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE sql;
-    RETURN 'no error';
-EXCEPTION WHEN others THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/include/try.sql
 
 -- first and second claim
 SELECT idem_claim('order-1');
@@ -65,16 +58,16 @@ SELECT idem_claimed('failed-block') IS NULL AS gone;
 SELECT idem_claim('pay-1', 'default', '{"amount": 10, "currency": "EUR"}');
 SELECT idem_claim('pay-1', 'default', '{"currency": "EUR", "amount": 10}');   -- reordered keys
 SELECT idem_claim('pay-1', 'default', '{ "currency":"EUR",  "amount":10.0 }'); -- same value
-SELECT pg_temp.err($$SELECT idem_claim('pay-1', 'default', '{"amount": 11, "currency": "EUR"}')$$);
+SELECT pg_temp.try($$SELECT idem_claim('pay-1', 'default', '{"amount": 11, "currency": "EUR"}')$$);
 SELECT idem_claim('pay-1');                       -- no payload: ordinary duplicate
 SELECT idem_claim('pay-2');
 SELECT idem_claim('pay-2', 'default', '{"a": 1}');  -- stored without payload: duplicate
 SELECT idem_claim('pay-3', 'default', 'null'::jsonb);
-SELECT pg_temp.err($$SELECT idem_claim('pay-3', 'default', '[]')$$);
+SELECT pg_temp.try($$SELECT idem_claim('pay-3', 'default', '[]')$$);
 -- different payload in the same transaction
 BEGIN;
 SELECT idem_claim('pay-4', 'default', '[1, 2]');
-SELECT pg_temp.err($$SELECT idem_claim('pay-4', 'default', '[2, 1]')$$);
+SELECT pg_temp.try($$SELECT idem_claim('pay-4', 'default', '[2, 1]')$$);
 COMMIT;
 -- the mismatch error left nothing behind
 SELECT count(*) FROM idempotency.claims WHERE key LIKE 'pay-%';
@@ -83,38 +76,38 @@ SELECT count(*) FROM idempotency.claims WHERE key LIKE 'pay-%';
 SELECT idem_claim('pay-1', 'default', '{"amount": 12}');
 
 -- keys: NULL, empty, 1024 bytes, the 2000-byte limit, 100 kB
-SELECT pg_temp.err($$SELECT idem_claim(NULL)$$);
-SELECT pg_temp.err($$SELECT idem_claim('')$$);
+SELECT pg_temp.try($$SELECT idem_claim(NULL)$$);
+SELECT pg_temp.try($$SELECT idem_claim('')$$);
 SELECT idem_claim(repeat('k', 1024));
 SELECT idem_claim(repeat('k', 1024));
 SELECT idem_claim(repeat('é', 1000));           -- 2000 bytes
-SELECT pg_temp.err($$SELECT idem_claim(repeat('k', 2001))$$);
-SELECT pg_temp.err($$SELECT idem_claim(repeat('k', 100000))$$);
+SELECT pg_temp.try($$SELECT idem_claim(repeat('k', 2001))$$);
+SELECT pg_temp.try($$SELECT idem_claim(repeat('k', 100000))$$);
 SELECT idem_claim(repeat('k', 100000));
 SELECT idem_claim(E'tab\there, newline\nthere, quote '' and "');
 SELECT idem_claim(E'tab\there, newline\nthere, quote '' and "');
 
 -- scopes: NULL, empty, 63 bytes, over-long
-SELECT pg_temp.err($$SELECT idem_claim('k', NULL)$$);
-SELECT pg_temp.err($$SELECT idem_claim('k', '')$$);
+SELECT pg_temp.try($$SELECT idem_claim('k', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_claim('k', '')$$);
 SELECT idem_claim('k', repeat('s', 63));
-SELECT pg_temp.err($$SELECT idem_claim('k', repeat('s', 64))$$);
-SELECT pg_temp.err($$SELECT idem_claimed('k', NULL)$$);
-SELECT pg_temp.err($$SELECT idem_release('', 'default')$$);
+SELECT pg_temp.try($$SELECT idem_claim('k', repeat('s', 64))$$);
+SELECT pg_temp.try($$SELECT idem_claimed('k', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_release('', 'default')$$);
 -- wrong type: no implicit cast from integer[] or json to the arguments
-SELECT pg_temp.err($$SELECT idem_claim(ARRAY[1])$$);
-SELECT pg_temp.err($$SELECT idem_claim('k', 'default', 'not json')$$);
+SELECT pg_temp.try($$SELECT idem_claim(ARRAY[1])$$);
+SELECT pg_temp.try($$SELECT idem_claim('k', 'default', 'not json')$$);
 
 -- batches: repeats count once, input order, only new keys
 SELECT * FROM idem_claim_many(ARRAY['b3', 'b1', 'b2', 'b1', 'b3']);
 SELECT * FROM idem_claim_many(ARRAY['b2', 'b4', 'b0', 'b4']);
 SELECT * FROM idem_claim_many(ARRAY[]::text[]);
 SELECT * FROM idem_claim_many(ARRAY['b1', 'b5'], 'other');
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['b6', NULL])$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(NULL)$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['b7', ''])$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY[['b8'], ['b9']])$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['b10'], NULL)$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['b6', NULL])$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(NULL)$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['b7', ''])$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY[['b8'], ['b9']])$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['b10'], NULL)$$);
 -- a rejected batch claimed nothing
 SELECT idem_claimed('b6') IS NULL AND idem_claimed('b7') IS NULL AS nothing_claimed;
 -- a batch rolled back
@@ -151,31 +144,31 @@ COMMIT;
 -- a read-only transaction may look claims up but not make or release them
 BEGIN READ ONLY;
 SELECT idem_claimed('order-1') IS NOT NULL AS found_read_only;
-SELECT pg_temp.err($$SELECT idem_claim('read-only')$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['read-only'])$$);
-SELECT pg_temp.err($$SELECT idem_release('order-1')$$);
+SELECT pg_temp.try($$SELECT idem_claim('read-only')$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['read-only'])$$);
+SELECT pg_temp.try($$SELECT idem_release('order-1')$$);
 COMMIT;
 
 -- writing to idempotency.claims directly is refused
-SELECT pg_temp.err($$INSERT INTO idempotency.claims VALUES ('default', 'direct', now(), NULL)$$);
+SELECT pg_temp.try($$INSERT INTO idempotency.claims VALUES ('default', 'direct', now(), NULL)$$);
 
 -- privileges: INSERT claims, SELECT looks up, DELETE releases
 CREATE ROLE idem_app;
 CREATE ROLE idem_nobody;
 GRANT INSERT, SELECT ON idempotency.claims TO idem_app;
 SET ROLE idem_nobody;
-SELECT pg_temp.err($$SELECT idem_claim('priv-1')$$);
-SELECT pg_temp.err($$SELECT * FROM idem_claim_many(ARRAY['priv-1'])$$);
-SELECT pg_temp.err($$SELECT idem_claimed('priv-1')$$);
-SELECT pg_temp.err($$SELECT idem_release('order-1')$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => '1 day')$$);
-SELECT pg_temp.err($$SELECT * FROM idem_maintain()$$);
+SELECT pg_temp.try($$SELECT idem_claim('priv-1')$$);
+SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['priv-1'])$$);
+SELECT pg_temp.try($$SELECT idem_claimed('priv-1')$$);
+SELECT pg_temp.try($$SELECT idem_release('order-1')$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => '1 day')$$);
+SELECT pg_temp.try($$SELECT * FROM idem_maintain()$$);
 RESET ROLE;
 SET ROLE idem_app;
 SELECT idem_claim('priv-1');
 SELECT idem_claim('priv-1');
 SELECT idem_claimed('priv-1') IS NOT NULL AS found;
-SELECT pg_temp.err($$SELECT idem_release('priv-1')$$);
+SELECT pg_temp.try($$SELECT idem_release('priv-1')$$);
 RESET ROLE;
 GRANT DELETE ON idempotency.claims TO idem_app;
 SET ROLE idem_app;

@@ -6,15 +6,7 @@ CREATE SCHEMA guard_h;
 SET search_path = guard_h, public;
 SELECT idempotency.guard_stats_reset();
 
-CREATE FUNCTION guard_h.try(sql text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE r text;
-BEGIN
-    EXECUTE sql INTO r;
-    RETURN coalesce(r, 'ok');
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END
-$$;
+\i sql/include/try.sql
 
 ---- idem_upsert ----
 CREATE TABLE items (id int PRIMARY KEY, name text, qty int, version bigint);
@@ -78,20 +70,20 @@ SELECT tableoid::regclass, * FROM parted ORDER BY region;
 -- bad input
 CREATE TABLE nopk (id int, version int);
 CREATE TABLE textver (id int PRIMARY KEY, version text);
-SELECT try($$SELECT idem_upsert(ROW(1, 'x', NULL, NULL)::items)$$);
-SELECT try($$SELECT idem_upsert(NULL::items)$$);
-SELECT try($$SELECT idem_upsert(ROW(1, 'x', 1, NULL)::items, NULL)$$);
-SELECT try($$SELECT idem_upsert(42)$$);
-SELECT try($$SELECT idem_upsert(ROW(1, 2))$$);
-SELECT try($$SELECT idem_upsert(ROW(1, 1)::nopk)$$);
-SELECT try($$SELECT idem_upsert(ROW(1, 'x', 1, NULL)::items, 'rev')$$);
-SELECT try($$SELECT idem_upsert(ROW(1, '1')::textver)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'x', NULL, NULL)::items)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(NULL::items)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'x', 1, NULL)::items, NULL)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(42)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 2))$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 1)::nopk)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'x', 1, NULL)::items, 'rev')$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, '1')::textver)$$);
 
 ---- idem_transition ----
 CREATE TYPE ship_state AS ENUM ('pending', 'dispatched', 'delivered', 'cancelled');
 CREATE TABLE shipments (id bigint PRIMARY KEY, state ship_state NOT NULL, dispatched_at int);
 INSERT INTO shipments VALUES (1, 'pending'), (2, 'pending'), (3, 'delivered');
-SELECT try($$SELECT idem_transition('shipments', 1, 'dispatched')$$);  -- no guard yet
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 1, 'dispatched')$$);  -- no guard yet
 SELECT idem_guard_transitions('shipments', 'state',
     '{"pending": ["dispatched", "cancelled"], "dispatched": ["delivered"]}');
 SELECT idem_transition('shipments', 1, 'dispatched');        -- applied
@@ -105,18 +97,18 @@ SELECT invalid_skipped, already_applied FROM idempotency.guard_stats();
 -- 'error' mode: the guard's IK005 reaches the caller
 SELECT idem_guard_transitions('shipments', 'state',
     '{"pending": ["dispatched", "cancelled"], "dispatched": ["delivered"]}', 'error');
-SELECT try($$SELECT idem_transition('shipments', 3, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 3, 'pending')$$);
 SELECT idem_transition('shipments', 2, 'cancelled');
 -- bad input
-SELECT try($$SELECT idem_transition('shipments', 2, 'lost')$$);
-SELECT try($$SELECT idem_transition('shipments', NULL::int, 'pending')$$);
-SELECT try($$SELECT idem_transition(NULL, 1, 'pending')$$);
-SELECT try($$SELECT idem_transition('shipments', 1, NULL)$$);
-SELECT try($$SELECT idem_transition('nope', 1, 'pending')$$);
-SELECT try($$SELECT idem_transition(4000000000::oid::regclass, 1, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 2, 'lost')$$);
+SELECT pg_temp.try($$SELECT idem_transition('shipments', NULL::int, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_transition(NULL, 1, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 1, NULL)$$);
+SELECT pg_temp.try($$SELECT idem_transition('nope', 1, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_transition(4000000000::oid::regclass, 1, 'pending')$$);
 CREATE TABLE twokey (a int, b int, s text, PRIMARY KEY (a, b));
 SELECT idem_guard_transitions('twokey', 's', '{"x": ["y"]}');
-SELECT try($$SELECT idem_transition('twokey', 1, 'y')$$);
+SELECT pg_temp.try($$SELECT idem_transition('twokey', 1, 'y')$$);
 -- text key and text state
 CREATE TABLE docs (slug text PRIMARY KEY, status text);
 INSERT INTO docs VALUES ('a-b', 'draft');
@@ -132,22 +124,22 @@ GRANT SELECT, INSERT ON items TO guard_h_reader;      -- INSERT but no UPDATE
 GRANT SELECT, INSERT, UPDATE ON items, shipments TO guard_h_writer;
 -- the plans are already cached from the owner's calls above
 SET ROLE guard_h_reader;
-SELECT try($$SELECT idem_upsert(ROW(1, 'apple', 99, 'blue')::items)$$);   -- would update
-SELECT try($$SELECT idem_upsert(ROW(50, 'kiwi', 1, 'green')::items)$$);   -- would insert
-SELECT try($$SELECT idem_transition('shipments', 2, 'pending')$$);
-SELECT try($$SELECT idem_guard_version('items')$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'apple', 99, 'blue')::items)$$);   -- would update
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(50, 'kiwi', 1, 'green')::items)$$);   -- would insert
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 2, 'pending')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('items')$$);
 RESET ROLE;
 SET ROLE guard_h_writer;
-SELECT try($$SELECT idem_upsert(ROW(1, 'apple', 99, 'blue')::items)$$);
-SELECT try($$SELECT idem_upsert(ROW(50, 'kiwi', 1, 'green')::items)$$);
-SELECT try($$SELECT idem_transition('shipments', 1, 'delivered')$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'apple', 99, 'blue')::items)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(50, 'kiwi', 1, 'green')::items)$$);
+SELECT pg_temp.try($$SELECT idem_transition('shipments', 1, 'delivered')$$);
 RESET ROLE;
 -- row level security applies to the helpers as to any statement
 ALTER TABLE items ENABLE ROW LEVEL SECURITY;
 CREATE POLICY only_low_ids ON items USING (id < 10) WITH CHECK (id < 10);
 SET ROLE guard_h_writer;
-SELECT try($$SELECT idem_upsert(ROW(60, 'plum', 1, 'x')::items)$$);
-SELECT try($$SELECT idem_upsert(ROW(2, 'pear', 9, 'y')::items)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(60, 'plum', 1, 'x')::items)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(2, 'pear', 9, 'y')::items)$$);
 RESET ROLE;
 SELECT * FROM items ORDER BY id;
 

@@ -7,14 +7,7 @@ SET search_path = guard_t, public;
 SET idempotency.guard_log_level = notice;
 SELECT idempotency.guard_stats_reset();
 
-CREATE FUNCTION guard_t.try(sql text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE sql;
-    RETURN 'ok';
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END
-$$;
+\i sql/include/try.sql
 
 CREATE TYPE order_state AS ENUM ('pending', 'dispatched', 'delivered', 'cancelled');
 CREATE TABLE orders (
@@ -69,10 +62,10 @@ SELECT * FROM idempotency.guard_stats();
 -- 'error' mode: IK005; already-applied transitions are still no error
 SELECT idem_guard_transitions('orders', 'state',
     '{"pending": ["dispatched", "cancelled"], "dispatched": ["delivered"]}', 'error');
-SELECT try($$UPDATE orders SET state = 'pending' WHERE id = 1$$);
-SELECT try($$UPDATE orders SET state = 'delivered', note = 'again' WHERE id = 1$$);
-SELECT try($$UPDATE orders SET state = 'dispatched' WHERE id = 5$$);
-SELECT try($$INSERT INTO orders VALUES (5, 'pending') ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state$$);
+SELECT pg_temp.try($$UPDATE orders SET state = 'pending' WHERE id = 1$$);
+SELECT pg_temp.try($$UPDATE orders SET state = 'delivered', note = 'again' WHERE id = 1$$);
+SELECT pg_temp.try($$UPDATE orders SET state = 'dispatched' WHERE id = 5$$);
+SELECT pg_temp.try($$INSERT INTO orders VALUES (5, 'pending') ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state$$);
 \set VERBOSITY sqlstate
 UPDATE orders SET state = 'cancelled' WHERE id = 1;
 \set VERBOSITY default
@@ -92,26 +85,26 @@ SELECT idem_unguard('tickets');
 SELECT tgname FROM pg_trigger WHERE tgrelid = 'tickets'::regclass ORDER BY tgname;
 
 -- malformed transitions, or states the column cannot hold: 22023
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '[]')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '"pending"')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '1')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": "dispatched"}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [1]}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [null]}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [["dispatched"]]}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": {"to": "dispatched"}}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": ["shipped"]}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"lost": []}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', 'not json')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '[]')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '"pending"')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '1')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": "dispatched"}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [1]}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [null]}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": [["dispatched"]]}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": {"to": "dispatched"}}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": ["shipped"]}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"lost": []}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', 'not json')$$);
 -- NULL arguments, bad mode, unknown table and column
-SELECT try($$SELECT idem_guard_transitions(NULL, 'state', '{"a": []}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', NULL, '{"a": []}')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', NULL)$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}', NULL)$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}', 'warn')$$);
-SELECT try($$SELECT idem_guard_transitions('orders', 'status', '{"pending": []}')$$);
-SELECT try($$SELECT idem_guard_transitions('nope', 'state', '{"pending": []}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions(NULL, 'state', '{"a": []}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', NULL, '{"a": []}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}', 'warn')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'status', '{"pending": []}')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('nope', 'state', '{"pending": []}')$$);
 -- the failed calls left the installed guard alone
 SELECT pg_get_triggerdef(oid) FROM pg_trigger WHERE tgrelid = 'orders'::regclass;
 
@@ -120,8 +113,8 @@ CREATE ROLE guard_t_other;
 GRANT USAGE ON SCHEMA guard_t TO guard_t_other;
 GRANT ALL ON orders TO guard_t_other;
 SET ROLE guard_t_other;
-SELECT try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}')$$);
-SELECT try($$SELECT idem_unguard('orders')$$);
+SELECT pg_temp.try($$SELECT idem_guard_transitions('orders', 'state', '{"pending": []}')$$);
+SELECT pg_temp.try($$SELECT idem_unguard('orders')$$);
 RESET ROLE;
 
 -- quoted identifiers all the way through

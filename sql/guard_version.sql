@@ -8,15 +8,7 @@ SET search_path = guard_v, public;
 SET idempotency.guard_log_level = notice;
 SELECT idempotency.guard_stats_reset();
 
--- run a statement, report ok or SQLSTATE: message (stable across verbosity)
-CREATE FUNCTION guard_v.try(sql text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE sql;
-    RETURN 'ok';
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END
-$$;
+\i sql/include/try.sql
 
 CREATE TABLE acct (id int PRIMARY KEY, balance int, version bigint);
 INSERT INTO acct VALUES (1, 10, 5), (2, 20, 5), (3, 30, 5), (4, 40, NULL);
@@ -48,16 +40,16 @@ INSERT INTO acct VALUES (1, 1, 1)
 SELECT * FROM acct ORDER BY id;
 
 -- NULL new version: 22004, also in skip mode
-SELECT try($$UPDATE acct SET version = NULL WHERE id = 1$$);
+SELECT pg_temp.try($$UPDATE acct SET version = NULL WHERE id = 1$$);
 
 SELECT * FROM idempotency.guard_stats();
 
 -- 'error' mode: IK004, and the whole statement is rolled back
 SELECT idem_guard_version('acct', 'version', 'error');
-SELECT try($$UPDATE acct SET balance = balance + 1, version = version + 1$$);  -- all newer: ok
-SELECT try($$UPDATE acct SET balance = -1, version = 6 WHERE id = 1$$);
-SELECT try($$UPDATE acct SET balance = -1, version = version + (id % 2) $$);
-SELECT try($$INSERT INTO acct VALUES (1, -1, 2) ON CONFLICT (id) DO UPDATE SET balance = EXCLUDED.balance, version = EXCLUDED.version$$);
+SELECT pg_temp.try($$UPDATE acct SET balance = balance + 1, version = version + 1$$);  -- all newer: ok
+SELECT pg_temp.try($$UPDATE acct SET balance = -1, version = 6 WHERE id = 1$$);
+SELECT pg_temp.try($$UPDATE acct SET balance = -1, version = version + (id % 2) $$);
+SELECT pg_temp.try($$INSERT INTO acct VALUES (1, -1, 2) ON CONFLICT (id) DO UPDATE SET balance = EXCLUDED.balance, version = EXCLUDED.version$$);
 SELECT * FROM acct ORDER BY id;
 \set VERBOSITY sqlstate
 UPDATE acct SET version = 0 WHERE id = 1;
@@ -114,28 +106,28 @@ UPDATE nokey SET v = 5;
 
 -- bad input
 CREATE TABLE badtypes (id int PRIMARY KEY, vtext text, vreal real, vdate date);
-SELECT try($$SELECT idem_guard_version('badtypes', 'vtext')$$);
-SELECT try($$SELECT idem_guard_version('badtypes', 'vreal')$$);
-SELECT try($$SELECT idem_guard_version('badtypes', 'vdate')$$);
-SELECT try($$SELECT idem_guard_version('badtypes', 'nope')$$);
-SELECT try($$SELECT idem_guard_version('badtypes', 'xmin')$$);
-SELECT try($$SELECT idem_guard_version('no_such_table')$$);
-SELECT try($$SELECT idem_guard_version(4000000000::oid::regclass)$$);
-SELECT try($$SELECT idem_guard_version('acct', 'version', 'ignore')$$);
-SELECT try($$SELECT idem_guard_version(NULL)$$);
-SELECT try($$SELECT idem_guard_version('acct', NULL)$$);
-SELECT try($$SELECT idem_guard_version('acct', 'version', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('badtypes', 'vtext')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('badtypes', 'vreal')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('badtypes', 'vdate')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('badtypes', 'nope')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('badtypes', 'xmin')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('no_such_table')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version(4000000000::oid::regclass)$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('acct', 'version', 'ignore')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version(NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('acct', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('acct', 'version', NULL)$$);
 CREATE VIEW acct_v AS SELECT * FROM acct;
-SELECT try($$SELECT idem_guard_version('acct_v')$$);
-SELECT try($$SELECT idem_unguard(NULL)$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('acct_v')$$);
+SELECT pg_temp.try($$SELECT idem_unguard(NULL)$$);
 
 -- only the owner may install or remove a guard
 CREATE ROLE guard_v_other;
 GRANT USAGE ON SCHEMA guard_v TO guard_v_other;
 GRANT ALL ON acct TO guard_v_other;
 SET ROLE guard_v_other;
-SELECT try($$SELECT idem_guard_version('acct')$$);
-SELECT try($$SELECT idem_unguard('acct')$$);
+SELECT pg_temp.try($$SELECT idem_guard_version('acct')$$);
+SELECT pg_temp.try($$SELECT idem_unguard('acct')$$);
 -- but the guard protects this role's writes too
 UPDATE acct SET version = 1 WHERE id = 1;
 RESET ROLE;
@@ -144,11 +136,11 @@ RESET ROLE;
 CREATE TABLE misuse (id int PRIMARY KEY, version int);
 CREATE TRIGGER wrong AFTER UPDATE ON misuse FOR EACH ROW EXECUTE FUNCTION idempotency.version_guard('version', 'skip');
 INSERT INTO misuse VALUES (1, 1);
-SELECT try($$UPDATE misuse SET version = 2$$);
+SELECT pg_temp.try($$UPDATE misuse SET version = 2$$);
 DROP TRIGGER wrong ON misuse;
 CREATE TRIGGER wrong BEFORE UPDATE ON misuse FOR EACH ROW EXECUTE FUNCTION idempotency.version_guard('gone', 'skip');
-SELECT try($$UPDATE misuse SET version = 2$$);
-SELECT try($$SELECT idempotency.version_guard()$$);
+SELECT pg_temp.try($$UPDATE misuse SET version = 2$$);
+SELECT pg_temp.try($$SELECT idempotency.version_guard()$$);
 
 -- guard on a partitioned table reaches every partition
 CREATE TABLE parted (id int, region int, version int, PRIMARY KEY (region, id)) PARTITION BY LIST (region);

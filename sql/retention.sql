@@ -2,13 +2,7 @@
 -- and claims while maintenance lags.
 CREATE EXTENSION idempotency;
 
-CREATE FUNCTION pg_temp.err(sql text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE sql;
-    RETURN 'no error';
-EXCEPTION WHEN others THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/include/try.sql
 
 -- CREATE EXTENSION made the current partition and premake (4) more
 SELECT count(*) AS partitions,
@@ -25,17 +19,17 @@ SELECT count(*) AS member_partitions
 SELECT * FROM idem_maintain();
 
 -- validation: nothing changes on bad input
-SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '500 milliseconds')$$);
-SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '1.5 seconds')$$);
-SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '0 seconds')$$);
-SELECT pg_temp.err($$SELECT idem_configure(partition_interval => '-1 day')$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours')$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => '12 hours')$$);
-SELECT pg_temp.err($$SELECT idem_configure(premake => 0)$$);
-SELECT pg_temp.err($$SELECT idem_configure(premake => 1001)$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => 'soon')$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => '1000000 years', partition_interval => '100000 years')$$);
-SELECT pg_temp.err($$SELECT idem_configure(retention => '1000 years')$$);
+SELECT pg_temp.try($$SELECT idem_configure(partition_interval => '500 milliseconds')$$);
+SELECT pg_temp.try($$SELECT idem_configure(partition_interval => '1.5 seconds')$$);
+SELECT pg_temp.try($$SELECT idem_configure(partition_interval => '0 seconds')$$);
+SELECT pg_temp.try($$SELECT idem_configure(partition_interval => '-1 day')$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours')$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => '12 hours')$$);
+SELECT pg_temp.try($$SELECT idem_configure(premake => 0)$$);
+SELECT pg_temp.try($$SELECT idem_configure(premake => 1001)$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => 'soon')$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => '1000000 years', partition_interval => '100000 years')$$);
+SELECT pg_temp.try($$SELECT idem_configure(retention => '1000 years')$$);
 SELECT count(*) AS settings_rows FROM idempotency.settings;
 \set VERBOSITY default
 SELECT idem_configure(retention => '1 hour', partition_interval => '2 hours');
@@ -119,7 +113,7 @@ BEGIN
     EXECUTE format('DROP TABLE %s', (SELECT relid FROM idempotency.partition_registry
                                      WHERE lower <= now() AND now() < upper));
 END $$;
-SELECT pg_temp.err($$SELECT idem_claim('after-drop')$$);
+SELECT pg_temp.try($$SELECT idem_claim('after-drop')$$);
 SELECT action FROM idem_maintain() ORDER BY 1;
 SELECT idem_claim('after-drop'), idem_claim('after-drop');
 SELECT count(*) AS doubled FROM (
