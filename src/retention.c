@@ -68,8 +68,10 @@ PG_FUNCTION_INFO_V1(idem_maintain);
 #define Anum_registry_bloom		5
 #define Natts_registry			5
 
-/* Settings columns */
+/* Settings columns (all NOT NULL) */
 #define Anum_settings_retention	2
+#define Anum_settings_interval	3
+#define Anum_settings_premake	4
 
 /* Defaults when idempotency.settings has no row (SPEC.md section 2) */
 #define DEFAULT_RETENTION_SECS		(7 * SECS_PER_DAY)
@@ -136,27 +138,34 @@ partition_newest_first(const void *a, const void *b)
 	return pa->relid > pb->relid ? -1 : (pa->relid < pb->relid ? 1 : 0);
 }
 
-/* The retention setting, read without SPI (claimers cache it). */
-static int64
-read_retention(Snapshot snap)
+/*
+ * The settings as a snapshot sees them (defaults when there is no row).
+ * Read without SPI: claimers rebuilding their cache use it too.
+ */
+static IdemSettings
+read_settings(Snapshot snap)
 {
+	IdemSettings s = {DEFAULT_RETENTION_SECS, DEFAULT_INTERVAL_SECS, DEFAULT_PREMAKE};
 	Relation	rel = table_open(idem_internal_relid("settings"), AccessShareLock);
-	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
-	HeapTuple	tup = heap_getnext(scan, ForwardScanDirection);
-	int64		secs = DEFAULT_RETENTION_SECS;
+	TableScanDesc scan;
+	HeapTuple	tup;
 
+	snap = RegisterSnapshot(snap);
+	scan = table_beginscan(rel, snap, 0, NULL);
+	tup = heap_getnext(scan, ForwardScanDirection);
 	if (tup != NULL)
 	{
+		TupleDesc	desc = RelationGetDescr(rel);
 		bool		isnull;
-		Datum		d = heap_getattr(tup, Anum_settings_retention,
-									 RelationGetDescr(rel), &isnull);
 
-		if (!isnull)
-			secs = interval_seconds(DatumGetIntervalP(d));
+		s.retention = interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_retention, desc, &isnull)));
+		s.interval = interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_interval, desc, &isnull)));
+		s.premake = DatumGetInt32(heap_getattr(tup, Anum_settings_premake, desc, &isnull));
 	}
 	table_endscan(scan);
+	UnregisterSnapshot(snap);
 	table_close(rel, AccessShareLock);
-	return secs;
+	return s;
 }
 
 /* Read the registry with a fresh snapshot into a new cache. */
@@ -188,7 +197,7 @@ build_partition_set(void)
 	oldcxt = MemoryContextSwitchTo(partition_cxt);
 	set = palloc0(sizeof(IdemPartitionSet));
 	set->claims_relid = get_relname_relid("claims", nspid);
-	set->retention = read_retention(snap) * USECS_PER_SEC;
+	set->retention = read_settings(snap).retention * USECS_PER_SEC;
 	set->generation = ++partition_generation;
 	set->parts = palloc(cap * sizeof(IdemPartition));
 
@@ -268,27 +277,6 @@ idem_registry_changed(PG_FUNCTION_ARGS)
 
 /*---- settings ----*/
 
-/* Current settings; needs an SPI connection. */
-static IdemSettings
-read_settings(void)
-{
-	IdemSettings s = {DEFAULT_RETENTION_SECS, DEFAULT_INTERVAL_SECS, DEFAULT_PREMAKE};
-
-	if (SPI_execute("SELECT retention, partition_interval, premake"
-					" FROM idempotency.settings", false, 1) != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.settings");
-	if (SPI_processed == 1)
-	{
-		bool		isnull;
-		HeapTuple	tup = SPI_tuptable->vals[0];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-
-		s.retention = interval_seconds(DatumGetIntervalP(SPI_getbinval(tup, desc, 1, &isnull)));
-		s.interval = interval_seconds(DatumGetIntervalP(SPI_getbinval(tup, desc, 2, &isnull)));
-		s.premake = DatumGetInt32(SPI_getbinval(tup, desc, 3, &isnull));
-	}
-	return s;
-}
 
 /* Only the owner of idempotency.claims (or a superuser) may reshape storage. */
 static void
@@ -304,12 +292,6 @@ check_maintenance_privilege(const char *what)
 }
 
 /*---- partition creation ----*/
-
-static Datum
-timestamptz_datum(TimestampTz t)
-{
-	return TimestampTzGetDatum(t);
-}
 
 /* Run one utility or DML statement through SPI, with arguments. */
 static void
@@ -374,8 +356,8 @@ create_partition(TimestampTz lower, TimestampTz upper)
 	PG_END_TRY();
 
 	values[0] = CStringGetTextDatum(qualified);
-	values[1] = timestamptz_datum(lower);
-	values[2] = timestamptz_datum(upper);
+	values[1] = TimestampTzGetDatum(lower);
+	values[2] = TimestampTzGetDatum(upper);
 	spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
 			 " VALUES ($1::pg_catalog.regclass, $2, $3)",
 			 3, types, values, SPI_OK_INSERT);
@@ -471,7 +453,7 @@ ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	else if (newest_upper <= now)
 	{
 		Oid			types[2] = {OIDOID, TIMESTAMPTZOID};
-		Datum		values[2] = {ObjectIdGetDatum(newest_relid), timestamptz_datum(next)};
+		Datum		values[2] = {ObjectIdGetDatum(newest_relid), TimestampTzGetDatum(next)};
 
 		spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
 				 2, types, values, SPI_OK_UPDATE);
@@ -531,7 +513,7 @@ static void
 drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 {
 	Oid			types[1] = {TIMESTAMPTZOID};
-	Datum		values[1] = {timestamptz_datum(add_seconds(now, -s->retention))};
+	Datum		values[1] = {TimestampTzGetDatum(add_seconds(now, -s->retention))};
 	uint64		n;
 	Oid		   *victims;
 
@@ -589,7 +571,7 @@ reshape_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 
 	if (next - now < USECS_PER_SEC)
 		next += iv_usecs;
-	values[0] = timestamptz_datum(next);
+	values[0] = TimestampTzGetDatum(next);
 
 	spi_exec("UPDATE idempotency.partition_registry SET upper = $1"
 			 " WHERE lower < $1 AND upper > $1", 1, types, values, SPI_OK_UPDATE);
@@ -685,8 +667,8 @@ seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
 	uint64		n;
 	Oid		   *candidates;
 
-	values[0] = timestamptz_datum(add_seconds(now, -1));
-	values[1] = timestamptz_datum(add_seconds(now, -s->retention));
+	values[0] = TimestampTzGetDatum(add_seconds(now, -1));
+	values[1] = TimestampTzGetDatum(add_seconds(now, -s->retention));
 	candidates = registry_oids("SELECT relid FROM idempotency.partition_registry"
 							   " WHERE NOT sealed AND upper <= $1 AND upper > $2"
 							   "   AND " NOT_NEWEST_PARTITION
@@ -747,7 +729,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 
 	nestlevel = pin_search_path();
 	SPI_connect();
-	s = read_settings();
+	s = read_settings(GetLatestSnapshot());
 	now = GetCurrentTimestamp();
 	forget_missing(rep);
 	if (reshape)
@@ -794,7 +776,7 @@ idem_configure(PG_FUNCTION_ARGS)
 
 	nestlevel = pin_search_path();
 	SPI_connect();
-	s = read_settings();
+	s = read_settings(GetLatestSnapshot());
 	old_interval = s.interval;
 	if (!PG_ARGISNULL(0))
 		s.retention = interval_seconds(PG_GETARG_INTERVAL_P(0));
