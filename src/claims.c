@@ -4,34 +4,42 @@
  *	  idem_claim() and friends: a dedup marker that commits or rolls back
  *	  with the caller's transaction, unique across time partitions.
  *
- * A claim is a row (scope, key, claimed_at, fingerprint) in one of the time
- * partitions of idempotency.claims, each with a unique btree index on
- * (scope, key).  A unique index only guards one partition, so uniqueness
+ * A claim is a row (scope, key, claimed_at, fingerprint, digest) in one of
+ * the time partitions of idempotency.claims, each with a unique btree index
+ * on (scope, key).  A unique index only guards one partition, so uniqueness
  * across partitions uses its own value lock, in the way of ON CONFLICT:
  *
- *	1. look in the sealed partitions, which take no more claims, without any
- *	   lock (their Bloom filters rule most keys out in memory);
+ *	1. without any lock, look in the partitions that still take claims (the
+ *	   one the claim would go into first) and in the sealed ones, whose
+ *	   Bloom filters rule most keys out in memory (filters.c).  A committed
+ *	   claim found here answers "duplicate" at once: a committed claim stays
+ *	   until its retention has passed, so no lock is needed to trust it, and
+ *	   a hot key's duplicates never queue;
  *	2. take the value lock, a transaction-level lock on a hash of
- *	   (scope, key) in a private advisory locktag space, and look in the
- *	   partitions that still take claims; insert into the one that covers
- *	   the current time, and release the value lock at once.
+ *	   (scope, key) in a private advisory locktag space, look again in the
+ *	   partitions that still take claims (all of them, filters included, if
+ *	   the partition list changed since step 1), insert into the partition
+ *	   that covers the current time, and release the value lock at once.
  *
  * Every probe uses a dirty snapshot: a committed (or our own) claim means
  * "duplicate"; a claim of a transaction still in progress means: release
- * the value lock, wait for that transaction, then start over.
+ * the value lock if held, wait for that transaction, then start over.
  *
  * Locking rules: nobody ever waits for another transaction while holding a
  * value lock (we release it first), so value locks never join a deadlock
  * cycle.  A row inserted under the value lock stays the marker until its
  * transaction ends; others wait on that transaction, not on the value lock.
  * Partitions are locked AccessShareLock for probes and RowExclusiveLock for
- * the insert, held to transaction end as usual; the partition registry is
- * only read through a per-backend cache (retention.c).  Batches claim keys in
- * sorted order, so two batches never wait on each other in a cycle.
+ * the insert, held to transaction end as usual.  The insert re-reads the
+ * partition list after taking RowExclusiveLock: maintenance seals a
+ * partition only under ShareLock, so a seal that committed before we got the
+ * lock is seen there, and we choose again.  Batches claim keys in sorted
+ * order, so two batches never wait on each other in a cycle.
  *
- * Partitions whose claims are all older than the retention window are not
- * probed: their claims have expired, and leaving them alone lets
- * maintenance drop them without waiting for claimers.
+ * Claims go straight into the heap and indexes of a partition: row-level
+ * security, rules and triggers on the partitions are not applied (the parent
+ * refuses direct inserts).  Every index of a partition is maintained; an
+ * index with expressions or a predicate is refused with an error.
  *
  *-------------------------------------------------------------------------
  */
@@ -46,7 +54,10 @@
 #include "access/xact.h"
 #include "catalog/index.h"
 #include "catalog/pg_collation.h"
+#include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
+#include "common/cryptohash.h"
+#include "common/sha2.h"
 #include "common/hashfn.h"
 #include "executor/tuptable.h"
 #include "fmgr.h"
@@ -64,7 +75,9 @@
 #include "utils/fmgrprotos.h"
 #include "utils/jsonb.h"
 #include "utils/rel.h"
+#include "utils/numeric.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
@@ -72,27 +85,18 @@ PG_FUNCTION_INFO_V1(idem_claim_many);
 PG_FUNCTION_INFO_V1(idem_claimed);
 PG_FUNCTION_INFO_V1(idem_release);
 
-/* Longest key we store as is: a btree tuple must fit a third of a page. */
-#define IDEM_MAX_KEY_BYTES		2000
-#define IDEM_MAX_SCOPE_BYTES	63
-
-/* field4 of our value-lock locktags; user advisory locks use 1 and 2 */
-#define IDEM_LOCKTAG_CLAIM		0x4943
-
-/*
- * Partitions starting this far in the future are still probed, so that a
- * claimer whose clock reads slightly behind another's sees its claims.
- */
-#define IDEM_CLOCK_SKEW_USECS	USECS_PER_SEC
-
 /* Claims table columns */
 #define Anum_claims_scope		1
 #define Anum_claims_key			2
 #define Anum_claims_claimed_at	3
-#define Anum_claims_fingerprint	4
-#define Natts_claims			4
+#define Anum_claims_fingerprint	4	/* 1.0's payload hash; read, no longer written */
+#define Anum_claims_digest		5	/* SHA-256 of the canonical payload */
+#define Natts_claims			5
 
-/* Seed for payload fingerprints: any fixed value, never to change. */
+static const char *const claims_columns[Natts_claims] =
+{"scope", "key", "claimed_at", "fingerprint", "digest"};
+
+/* Seed of 1.0's payload fingerprints, to compare claims made by 1.0. */
 #define IDEM_FINGERPRINT_SEED	INT64CONST(0x1de3907e7c1a1315)
 
 /* One (scope, key) to claim, look up or release. */
@@ -101,17 +105,18 @@ typedef struct ClaimKey
 	text	   *scope;
 	text	   *key;
 	uint64		hash;			/* idem_key_hash(scope, key) */
-	bool		has_fingerprint;
-	int64		fingerprint;
+	Jsonb	   *payload;		/* NULL if none was given */
+	bool		has_digest;
+	uint8		digest[PG_SHA256_DIGEST_LENGTH];
 } ClaimKey;
 
 /* Which partitions a probe visits. */
-typedef enum ProbeScope
+typedef enum ProbeWhich
 {
-	PROBE_LIVE,					/* all live ones; sealed ones via their filter */
-	PROBE_SEALED,				/* only sealed ones, via their filter */
-	PROBE_UNSEALED				/* only those that can still take claims */
-} ProbeScope;
+	PROBE_OPEN,					/* those that can still take claims */
+	PROBE_SEALED,				/* sealed ones, through their filters */
+	PROBE_ALL					/* both */
+} ProbeWhich;
 
 typedef enum ProbeStatus
 {
@@ -127,8 +132,10 @@ typedef struct ProbeResult
 	Oid			relid;			/* PROBE_FOUND: where */
 	ItemPointerData tid;
 	TimestampTz claimed_at;
-	bool		has_fingerprint;
+	bool		has_fingerprint;	/* a 1.0 fingerprint */
 	int64		fingerprint;
+	bool		has_digest;
+	uint8		digest[PG_SHA256_DIGEST_LENGTH];
 } ProbeResult;
 
 /*---- argument checks ----*/
@@ -158,8 +165,9 @@ checked_scope(FunctionCallInfo fcinfo, int argno)
 	return scope;
 }
 
+/* Reject an empty or too long key. */
 static void
-check_key(text *key)
+validate_key(text *key)
 {
 	int			len = VARSIZE_ANY_EXHDR(key);
 
@@ -176,18 +184,23 @@ check_key(text *key)
 				 errhint("Claim a digest of longer keys, for example encode(sha256(convert_to(key, 'UTF8')), 'hex').")));
 }
 
-static text *
-checked_key(FunctionCallInfo fcinfo, int argno)
+/*
+ * The (key, scope) arguments at argno and argno + 1, checked, as a ClaimKey
+ * without payload.
+ */
+static void
+claim_key_args(FunctionCallInfo fcinfo, int argno, ClaimKey *ck)
 {
-	text	   *key;
-
 	if (PG_ARGISNULL(argno))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("key must not be null")));
-	key = PG_GETARG_TEXT_PP(argno);
-	check_key(key);
-	return key;
+	ck->key = PG_GETARG_TEXT_PP(argno);
+	validate_key(ck->key);
+	ck->scope = checked_scope(fcinfo, argno + 1);
+	ck->hash = idem_key_hash(ck->scope, ck->key);
+	ck->payload = NULL;
+	ck->has_digest = false;
 }
 
 /* The privilege on idempotency.claims that an operation needs. */
@@ -219,41 +232,205 @@ key_for_message(text *key)
 	return s;
 }
 
-/*---- probing ----*/
-
-/* Open a partition and its (scope, key) index; false if it is gone. */
-static bool
-open_partition(IdemPartition *part, LOCKMODE mode, Relation *heap, Relation *index)
-{
-	*heap = try_relation_open(part->relid, mode);
-	if (*heap == NULL)
-		return false;
-	if (!OidIsValid(part->indexid))
-	{
-		List	   *indexes = RelationGetIndexList(*heap);
-
-		if (indexes == NIL)
-			ereport(ERROR,
-					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("claims partition \"%s\" has no index on (scope, key)",
-							RelationGetRelationName(*heap))));
-		part->indexid = linitial_oid(indexes);
-		list_free(indexes);
-	}
-	*index = index_open(part->indexid, mode);
-	return true;
-}
+/*---- payload digests ----*/
 
 static void
-close_partition(Relation heap, Relation index)
+digest_bytes(pg_cryptohash_ctx *ctx, char tag, const void *data, uint32 len)
 {
-	index_close(index, NoLock);
-	relation_close(heap, NoLock);
+	uint8		head[5];
+
+	head[0] = (uint8) tag;
+	head[1] = (uint8) (len >> 24);
+	head[2] = (uint8) (len >> 16);
+	head[3] = (uint8) (len >> 8);
+	head[4] = (uint8) len;
+	if (pg_cryptohash_update(ctx, head, sizeof(head)) < 0 ||
+		(len > 0 && pg_cryptohash_update(ctx, data, len) < 0))
+		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
 }
 
 /*
- * Look for (scope, key) in one partition.  With a dirty snapshot, a claim
- * being inserted or deleted by another transaction is reported as busy.
+ * SHA-256 of a jsonb value in canonical form: jsonb already sorts object
+ * keys and drops duplicates, and numbers are written without insignificant
+ * zeros, so equal jsonb values (1.0 and 1.00 included) get equal digests.
+ * Every token is tagged and length-prefixed, so no two different values
+ * feed the same bytes.
+ */
+static void
+payload_digest(Jsonb *jb, uint8 *digest)
+{
+	pg_cryptohash_ctx *ctx = pg_cryptohash_create(PG_SHA256);
+	JsonbIterator *it = JsonbIteratorInit(&jb->root);
+	JsonbIteratorToken tok;
+	JsonbValue	v;
+
+	if (pg_cryptohash_init(ctx) < 0)
+		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
+	while ((tok = JsonbIteratorNext(&it, &v, false)) != WJB_DONE)
+	{
+		switch (tok)
+		{
+			case WJB_BEGIN_ARRAY:
+				digest_bytes(ctx, v.val.array.rawScalar ? 'S' : '[', NULL, 0);
+				break;
+			case WJB_END_ARRAY:
+				digest_bytes(ctx, ']', NULL, 0);
+				break;
+			case WJB_BEGIN_OBJECT:
+				digest_bytes(ctx, '{', NULL, 0);
+				break;
+			case WJB_END_OBJECT:
+				digest_bytes(ctx, '}', NULL, 0);
+				break;
+			case WJB_KEY:
+				digest_bytes(ctx, 'k', v.val.string.val, v.val.string.len);
+				break;
+			case WJB_VALUE:
+			case WJB_ELEM:
+				switch (v.type)
+				{
+					case jbvNull:
+						digest_bytes(ctx, 'n', NULL, 0);
+						break;
+					case jbvBool:
+						digest_bytes(ctx, v.val.boolean ? 't' : 'f', NULL, 0);
+						break;
+					case jbvString:
+						digest_bytes(ctx, 's', v.val.string.val, v.val.string.len);
+						break;
+					case jbvNumeric:
+						{
+							char	   *n = numeric_normalize(v.val.numeric);
+
+							digest_bytes(ctx, 'd', n, strlen(n));
+							pfree(n);
+							break;
+						}
+					default:
+						elog(ERROR, "unexpected jsonb value type %d", (int) v.type);
+				}
+				break;
+			default:
+				elog(ERROR, "unexpected jsonb token %d", (int) tok);
+		}
+	}
+	if (pg_cryptohash_final(ctx, digest, PG_SHA256_DIGEST_LENGTH) < 0)
+		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
+	pg_cryptohash_free(ctx);
+}
+
+/* IK001 if the claim found was made with another payload. */
+static void
+check_payload(ClaimKey *ck, ProbeResult *res)
+{
+	bool		differs;
+
+	if (ck->payload == NULL)
+		return;
+	if (res->has_digest)
+		differs = memcmp(ck->digest, res->digest, PG_SHA256_DIGEST_LENGTH) != 0;
+	else if (res->has_fingerprint)
+	{
+		/* a claim made by version 1.0: compare its weaker hash */
+		int64		fp = DatumGetInt64(DirectFunctionCall2(jsonb_hash_extended,
+														   JsonbPGetDatum(ck->payload),
+														   Int64GetDatum(IDEM_FINGERPRINT_SEED)));
+
+		differs = fp != res->fingerprint;
+	}
+	else
+		return;					/* claimed without a payload */
+	if (differs)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_KEY_REUSED),
+				 errmsg("idempotency key reused with a different payload"),
+				 errdetail("Scope \"%s\", key \"%s\" was claimed with a different payload.",
+						   text_to_cstring(ck->scope), key_for_message(ck->key))));
+}
+
+/*---- partitions: columns and indexes ----*/
+
+/* Error out unless a partition has the claims columns where we write them. */
+static void
+check_partition_columns(Relation heap)
+{
+	TupleDesc	desc = RelationGetDescr(heap);
+
+	for (int i = 0; i < Natts_claims; i++)
+	{
+		Form_pg_attribute att = i < desc->natts ? TupleDescAttr(desc, i) : NULL;
+
+		if (att == NULL || att->attisdropped ||
+			strcmp(NameStr(att->attname), claims_columns[i]) != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("claims partition \"%s\" does not have the columns of idempotency.claims",
+							RelationGetRelationName(heap)),
+					 errdetail("Column %d should be \"%s\".", i + 1, claims_columns[i])));
+	}
+}
+
+/* Is this index the unique btree index on exactly (scope, key)? */
+static bool
+is_claims_index(Oid indexid)
+{
+	HeapTuple	tup = SearchSysCache1(INDEXRELID, ObjectIdGetDatum(indexid));
+	Form_pg_index idx;
+	bool		result;
+
+	if (!HeapTupleIsValid(tup))
+		return false;
+	idx = (Form_pg_index) GETSTRUCT(tup);
+	result = idx->indisunique && idx->indisvalid && idx->indisready && idx->indislive &&
+		idx->indimmediate && idx->indnatts == 2 && idx->indnkeyatts == 2 &&
+		idx->indkey.values[0] == Anum_claims_scope &&
+		idx->indkey.values[1] == Anum_claims_key &&
+		heap_attisnull(tup, Anum_pg_index_indexprs, NULL) &&
+		heap_attisnull(tup, Anum_pg_index_indpred, NULL);
+	ReleaseSysCache(tup);
+	return result;
+}
+
+/*
+ * The (scope, key) index of an open partition, looked up in the relcache's
+ * index list each time (REINDEX CONCURRENTLY replaces it), with the last one
+ * found as a hint.
+ */
+static Oid
+claims_index(Relation heap, IdemPartition *part)
+{
+	List	   *indexes = RelationGetIndexList(heap);
+	ListCell   *lc;
+
+	if (!OidIsValid(part->indexid) || !list_member_oid(indexes, part->indexid))
+	{
+		part->indexid = InvalidOid;
+		foreach(lc, indexes)
+		{
+			if (is_claims_index(lfirst_oid(lc)))
+			{
+				part->indexid = lfirst_oid(lc);
+				break;
+			}
+		}
+	}
+	list_free(indexes);
+	if (!OidIsValid(part->indexid))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("claims partition \"%s\" has no valid unique index on (scope, key)",
+						RelationGetRelationName(heap)),
+				 errhint("Create one with CREATE UNIQUE INDEX ON %s.%s (scope, key).",
+						 IDEM_SCHEMA, quote_identifier(RelationGetRelationName(heap)))));
+	return part->indexid;
+}
+
+/*---- probing ----*/
+
+/*
+ * Look for (scope, key) in one partition; false if absent or if the
+ * partition is gone.  With a dirty snapshot, a claim being inserted or
+ * deleted by another transaction is reported as busy.
  */
 static bool
 probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *res)
@@ -265,8 +442,10 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 	TupleTableSlot *slot;
 	bool		found = false;
 
-	if (!open_partition(part, AccessShareLock, &heap, &index))
+	heap = try_relation_open(part->relid, AccessShareLock);
+	if (heap == NULL)
 		return false;
+	index = index_open(claims_index(heap, part), AccessShareLock);
 
 	ScanKeyInit(&skey[0], 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->scope));
 	ScanKeyInit(&skey[1], 2, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->key));
@@ -288,6 +467,7 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			bool		isnull;
 			Datum		d;
 
+			check_partition_columns(heap);
 			res->status = PROBE_FOUND;
 			res->relid = part->relid;
 			res->tid = slot->tts_tid;
@@ -295,87 +475,65 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			d = slot_getattr(slot, Anum_claims_fingerprint, &isnull);
 			res->has_fingerprint = !isnull;
 			res->fingerprint = isnull ? 0 : DatumGetInt64(d);
+			d = slot_getattr(slot, Anum_claims_digest, &isnull);
+			res->has_digest = !isnull && VARSIZE_ANY_EXHDR(DatumGetByteaPP(d)) == PG_SHA256_DIGEST_LENGTH;
+			if (res->has_digest)
+				memcpy(res->digest, VARDATA_ANY(DatumGetByteaPP(d)), PG_SHA256_DIGEST_LENGTH);
 		}
 	}
 
 	index_endscan(scan);
 	ExecDropSingleTupleTableSlot(slot);
-	close_partition(heap, index);
+	index_close(index, NoLock);
+	relation_close(heap, NoLock);
 	return found;
 }
 
 /*
- * Probe partitions newest first until the key is found.  Live partitions:
- * begun (give or take clock skew) and not entirely past the retention
- * window; and always the partition this claim would go into, which while
- * maintenance lags is past its recorded range.  A sealed partition takes no
- * more claims, so its Bloom filter can rule the key out, and a probe under
- * the value lock can skip it if it was sealed before the first probe.
+ * Probe partitions until the key is found: the target (where a claim made
+ * now would go) first, then the others newest first.  Open partitions are
+ * probed if they have begun (give or take clock skew), and so is the oldest
+ * open one, which a backend whose cache predates the partition covering now
+ * would claim into; sealed ones unless expired or ruled out by their filter.
  */
 static void
-probe_all(IdemPartitionSet *set, TimestampTz now, Snapshot snap, ClaimKey *ck,
-		  IdemPartition *target, ProbeScope scope, ProbeResult *res)
+probe_set(IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
+		  Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
+	IdemPartition *oldest_open = NULL;
+
 	res->status = PROBE_ABSENT;
+	if (target != NULL && which != PROBE_SEALED &&
+		probe_partition(target, snap, ck, res))
+		return;
+	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
+		if (!set->parts[i].sealed)
+			oldest_open = &set->parts[i];
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];
 
-		if (p != target &&
-			(p->lower > now + IDEM_CLOCK_SKEW_USECS || p->upper <= now - set->retention))
+		if (p == target)
 			continue;
-		if (p->sealed && p != target)
+		if (p->sealed)
 		{
-			if (scope == PROBE_UNSEALED)
-				continue;
-			if (p->bloom_bits > 0 && !idem_bloom_maybe(p->bloom, p->bloom_bits, ck->hash))
+			if (which == PROBE_OPEN || idem_partition_expired(set, p, now) ||
+				!idem_filter_maybe(set, p, ck->hash))
 				continue;
 		}
-		else if (scope == PROBE_SEALED)
+		else if (which == PROBE_SEALED ||
+				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open))
 			continue;
 		if (probe_partition(p, snap, ck, res))
 			return;
 	}
 }
 
-/*
- * The partition a claim made at "now" goes into: the unsealed one whose range
- * covers it (the newest such, should ranges overlap after a restore), else
- * the newest unsealed one that started before now, else the oldest unsealed.
- */
-static IdemPartition *
-covering_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
-{
-	IdemPartition *begun = NULL;
-
-	*covers = false;
-	for (int i = 0; i < set->nparts; i++)
-	{
-		IdemPartition *p = &set->parts[i];
-
-		if (p->sealed)
-			continue;
-		if (p->lower <= now && now < p->upper)
-		{
-			*covers = true;
-			return p;
-		}
-		if (begun == NULL && p->lower <= now)
-			begun = p;
-	}
-	if (begun != NULL)
-		return begun;
-	for (int i = set->nparts - 1; i >= 0; i--)
-		if (!set->parts[i].sealed)
-			return &set->parts[i];
-	return NULL;
-}
-
 /*---- value lock ----*/
 
 /*
  * 64-bit hash of (scope, key): names the value lock and indexes the Bloom
- * filters of sealed partitions.
+ * filters of sealed partitions (so it must never change).
  */
 uint64
 idem_key_hash(text *scope, text *key)
@@ -395,102 +553,99 @@ value_locktag(LOCKTAG *tag, ClaimKey *ck)
 						 (uint32) ck->hash, IDEM_LOCKTAG_CLAIM);
 }
 
-/*---- Bloom filters of sealed partitions ----*/
-
-/*
- * Blocked Bloom filter: all bits of a key lie in one 512-bit block (a cache
- * line), chosen by the low half of the hash; the high half places the bits
- * in it (double hashing).  One cache miss per sealed partition instead of
- * one per bit keeps many filters cheap to consult.
- */
-#define IDEM_BLOOM_BLOCK_BITS	IDEM_BLOOM_ROUND_BITS
-
-static inline uint32
-bloom_bit(uint64 hash, int i, uint32 nbits)
-{
-	uint32		nblocks = nbits / IDEM_BLOOM_BLOCK_BITS;
-	uint32		block = (uint32) hash % nblocks;
-	uint32		h2 = (uint32) (hash >> 32);
-	uint32		h3 = ((h2 >> 17) | (h2 << 15)) | 1;
-
-	return block * IDEM_BLOOM_BLOCK_BITS + ((h2 + (uint32) i * h3) % IDEM_BLOOM_BLOCK_BITS);
-}
-
-void
-idem_bloom_add(uint8 *bloom, uint32 nbits, uint64 hash)
-{
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
-	{
-		uint32		b = bloom_bit(hash, i, nbits);
-
-		bloom[b / 8] |= (uint8) (1 << (b % 8));
-	}
-}
-
-/* False: the key is certainly not in the partition. */
-bool
-idem_bloom_maybe(const uint8 *bloom, uint32 nbits, uint64 hash)
-{
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
-	{
-		uint32		b = bloom_bit(hash, i, nbits);
-
-		if ((bloom[b / 8] & (1 << (b % 8))) == 0)
-			return false;
-	}
-	return true;
-}
-
 /*---- claiming ----*/
 
+/* Insert into every index of the partition. */
 static void
-check_fingerprint(ClaimKey *ck, ProbeResult *res)
+insert_index_entries(Relation heap, IdemPartition *part, Datum *values, bool *nulls,
+					 ItemPointer tid)
 {
-	if (ck->has_fingerprint && res->has_fingerprint &&
-		ck->fingerprint != res->fingerprint)
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_KEY_REUSED),
-				 errmsg("idempotency key reused with a different payload"),
-				 errdetail("Scope \"%s\", key \"%s\" was claimed with a different payload.",
-						   text_to_cstring(ck->scope), key_for_message(ck->key))));
+	Oid			uniqueid = claims_index(heap, part);
+	List	   *indexes = RelationGetIndexList(heap);
+	ListCell   *lc;
+
+	foreach(lc, indexes)
+	{
+		Relation	index = index_open(lfirst_oid(lc), RowExclusiveLock);
+		IndexInfo  *info = BuildIndexInfo(index);
+		Datum		ivalues[INDEX_MAX_KEYS];
+		bool		inulls[INDEX_MAX_KEYS];
+
+		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL)
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("claims partition \"%s\" has index \"%s\" with expressions or a predicate",
+							RelationGetRelationName(heap), RelationGetRelationName(index)),
+					 errdetail("idem_claim() maintains only indexes on plain columns."),
+					 errhint("Drop the index, or index the columns themselves.")));
+		if (!info->ii_ReadyForInserts)
+		{
+			index_close(index, RowExclusiveLock);
+			continue;
+		}
+		for (int i = 0; i < info->ii_NumIndexAttrs; i++)
+		{
+			AttrNumber	att = info->ii_IndexAttrNumbers[i];
+
+			if (att <= 0 || att > RelationGetDescr(heap)->natts)
+				elog(ERROR, "unexpected column %d in index \"%s\"", att,
+					 RelationGetRelationName(index));
+			ivalues[i] = values[att - 1];
+			inulls[i] = nulls[att - 1];
+		}
+
+		/*
+		 * In the (scope, key) index the uniqueness check is a second line of
+		 * defence: under the value lock no duplicate can exist, so it never
+		 * fires unless the protocol is broken, and then an error beats a
+		 * doubled effect.
+		 */
+		index_insert(index, ivalues, inulls, tid, heap,
+					 (RelationGetRelid(index) == uniqueid || info->ii_Unique) ?
+					 UNIQUE_CHECK_YES : UNIQUE_CHECK_NO,
+					 false, info);
+		index_close(index, NoLock);
+	}
+	list_free(indexes);
 }
 
-/* Insert the claim; false if the partition was dropped or sealed meanwhile. */
-static bool
-insert_claim(IdemPartition *part, ClaimKey *ck, TimestampTz now)
+typedef enum InsertResult
+{
+	INSERT_DONE,
+	INSERT_CHANGED,				/* the partition list changed: choose again */
+	INSERT_GONE					/* the target table does not exist */
+} InsertResult;
+
+/*
+ * Insert the claim, unless the partition list changed since "generation"
+ * (the target may have been sealed or dropped meanwhile).
+ */
+static InsertResult
+insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz now)
 {
 	Relation	heap;
-	Relation	index;
 	Datum	   *values;
 	bool	   *nulls;
 	HeapTuple	tup;
 	TupleDesc	desc;
-	Oid			relid = part->relid;
-	IdemPartitionSet *set;
-	bool		still_open = false;
 
-	if (!open_partition(part, RowExclusiveLock, &heap, &index))
-		return false;
+	heap = try_relation_open(part->relid, RowExclusiveLock);
+	if (heap == NULL)
+		return INSERT_GONE;
 
 	/*
 	 * Maintenance seals a partition only while nobody holds RowExclusiveLock
-	 * on it, and its commit reached us when we took that lock: if the
-	 * partition is sealed now, choose again.  ("part" may be freed here.)
+	 * on it, and taking that lock processed its invalidation: if the list
+	 * changed, look again ("part" may be freed here).
 	 */
-	set = idem_partition_set(false);
-	for (int i = 0; i < set->nparts; i++)
-		if (set->parts[i].relid == relid)
-			still_open = !set->parts[i].sealed;
-	if (!still_open)
+	if (idem_partition_set()->generation != generation)
 	{
-		close_partition(heap, index);
-		return false;
+		relation_close(heap, NoLock);
+		return INSERT_CHANGED;
 	}
 
+	check_partition_columns(heap);
 	desc = RelationGetDescr(heap);
-	if (desc->natts < Natts_claims)
-		elog(ERROR, "claims partition \"%s\" has %d columns, expected %d",
-			 RelationGetRelationName(heap), desc->natts, Natts_claims);
 	values = palloc0(desc->natts * sizeof(Datum));
 	nulls = palloc(desc->natts * sizeof(bool));
 	memset(nulls, true, desc->natts * sizeof(bool));
@@ -498,28 +653,28 @@ insert_claim(IdemPartition *part, ClaimKey *ck, TimestampTz now)
 	values[Anum_claims_scope - 1] = PointerGetDatum(ck->scope);
 	values[Anum_claims_key - 1] = PointerGetDatum(ck->key);
 	values[Anum_claims_claimed_at - 1] = TimestampTzGetDatum(now);
-	values[Anum_claims_fingerprint - 1] = Int64GetDatum(ck->fingerprint);
 	nulls[Anum_claims_scope - 1] = false;
 	nulls[Anum_claims_key - 1] = false;
 	nulls[Anum_claims_claimed_at - 1] = false;
-	nulls[Anum_claims_fingerprint - 1] = !ck->has_fingerprint;
+	if (ck->has_digest)
+	{
+		bytea	   *d = palloc(VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
+
+		SET_VARSIZE(d, VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
+		memcpy(VARDATA(d), ck->digest, PG_SHA256_DIGEST_LENGTH);
+		values[Anum_claims_digest - 1] = PointerGetDatum(d);
+		nulls[Anum_claims_digest - 1] = false;
+	}
 
 	tup = heap_form_tuple(desc, values, nulls);
 	heap_insert(heap, tup, GetCurrentCommandId(true), 0, NULL);
-
-	/*
-	 * The unique index is a second line of defence: under the value lock no
-	 * duplicate can exist, so its check never fires unless the protocol above
-	 * is broken, and then an error beats a doubled effect.
-	 */
-	index_insert(index, values, nulls, &tup->t_self, heap,
-				 UNIQUE_CHECK_YES, false, BuildIndexInfo(index));
+	insert_index_entries(heap, part, values, nulls, &tup->t_self);
 
 	heap_freetuple(tup);
 	pfree(values);
 	pfree(nulls);
-	close_partition(heap, index);
-	return true;
+	relation_close(heap, NoLock);
+	return INSERT_DONE;
 }
 
 /*
@@ -531,28 +686,25 @@ claim_key(ClaimKey *ck)
 {
 	SnapshotData dirty;
 	LOCKTAG		tag;
-	int			target_failures = 0;
-	Oid			target_relid;
+	int			gone = 0;
 
 	InitDirtySnapshot(dirty);
 	value_locktag(&tag, ck);
 
 	for (;;)
 	{
-		IdemPartitionSet *set = idem_partition_set(false);
-		TimestampTz now = GetCurrentTimestamp();
+		IdemPartitionSet *set = idem_partition_set();
+		TimestampTz now = idem_now();
+		uint64		generation = set->generation;
 		IdemPartition *target;
 		ProbeResult res;
 		bool		covers;
-		uint64		generation = set->generation;
+		InsertResult ins = INSERT_CHANGED;
+		Oid			target_relid;
 
-		/*
-		 * Sealed partitions take no more claims: look there without the
-		 * value lock, once.  Partitions that still take claims are looked at
-		 * under it, right before the insert.
-		 */
-		target = covering_partition(set, now, &covers);
-		probe_all(set, now, &dirty, ck, target, PROBE_SEALED, &res);
+		/* 1. without the value lock: a committed claim is final */
+		target = idem_target_partition(set, now, &covers);
+		probe_set(set, target, now, &dirty, ck, PROBE_ALL, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
@@ -560,66 +712,65 @@ claim_key(ClaimKey *ck)
 		}
 		if (res.status == PROBE_FOUND)
 		{
-			check_fingerprint(ck, &res);
+			check_payload(ck, &res);
 			return false;
 		}
 
-		LockAcquire(&tag, ExclusiveLock, false, false);
-
 		/*
-		 * Under the value lock, see every partition that an earlier holder
-		 * could have inserted into: one covering our (later) clock reading is
-		 * in the cache, or else re-read the registry.
+		 * 2. under the value lock: look again where an earlier holder could
+		 * have inserted since -- the partitions that take claims, and if the
+		 * list changed, the sealed ones too -- then insert.
 		 */
-		now = GetCurrentTimestamp();
-		set = idem_partition_set(false);
-		target = covering_partition(set, now, &covers);
-		if (!covers)
-		{
-			set = idem_partition_set(true);
-			target = covering_partition(set, now, &covers);
-		}
+		LockAcquire(&tag, ExclusiveLock, false, false);
+		set = idem_partition_set();
+		now = idem_now();
+		target = idem_target_partition(set, now, &covers);
 		if (target == NULL)
+		{
+			LockRelease(&tag, ExclusiveLock, false);
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("idempotency.claims has no partition that can take claims"),
 					 errhint("Run SELECT idem_maintain() to create them.")));
-
-		/*
-		 * A partition sealed before the first probe has taken no claim since,
-		 * so only unsealed ones need a look -- unless the partition list
-		 * changed in between, and then all of them do.
-		 */
-		probe_all(set, now, &dirty, ck, target,
-				  set->generation == generation ? PROBE_UNSEALED : PROBE_LIVE, &res);
-		target_relid = target->relid;
-		if (res.status == PROBE_ABSENT && insert_claim(target, ck, now))
-		{
-			LockRelease(&tag, ExclusiveLock, false);
-			return true;
 		}
+		probe_set(set, target, now, &dirty, ck,
+				  set->generation == generation ? PROBE_OPEN : PROBE_ALL, &res);
+		generation = set->generation;
+		target_relid = target->relid;
+		if (res.status == PROBE_ABSENT)
+			ins = insert_claim(target, generation, ck, now);
 		LockRelease(&tag, ExclusiveLock, false);
 
+		if (ins == INSERT_DONE)
+			return true;
 		if (res.status == PROBE_BUSY)
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
 		else if (res.status == PROBE_FOUND)
 		{
-			check_fingerprint(ck, &res);
+			check_payload(ck, &res);
 			return false;
 		}
-		else if (++target_failures < 3)
+		else if (ins == INSERT_GONE)
 		{
-			/* target sealed or dropped meanwhile: re-read the registry */
-			(void) idem_partition_set(true);
+			/* dropped by hand, or the cache is stale: re-read the registry */
+			if (++gone >= 3)
+				ereport(ERROR,
+						(errcode(ERRCODE_UNDEFINED_TABLE),
+						 errmsg("no partition of idempotency.claims can take claims"),
+						 errdetail("The registry lists partition %u for this claim, which does not exist.",
+								   target_relid),
+						 errhint("Run SELECT idem_maintain() to repair the registry.")));
+			(void) idem_partition_set_fresh();
 		}
-		else
-			ereport(ERROR,
-					(errcode(ERRCODE_UNDEFINED_TABLE),
-					 errmsg("no partition of idempotency.claims can take claims"),
-					 errdetail("The registry lists partition %u for this claim, which is missing or sealed.",
-							   target_relid),
-					 errhint("Run SELECT idem_maintain() to repair the registry.")));
 	}
+}
+
+/* The common set-up of idem_claim() and idem_claim_many(). */
+static void
+check_can_claim(const char *fname)
+{
+	check_claims_privilege(idem_partition_set(), ACL_INSERT, "claim keys");
+	PreventCommandIfReadOnly(fname);
 }
 
 /*
@@ -630,18 +781,14 @@ idem_claim(PG_FUNCTION_ARGS)
 {
 	ClaimKey	ck;
 
-	ck.key = checked_key(fcinfo, 0);
-	ck.scope = checked_scope(fcinfo, 1);
-	ck.hash = idem_key_hash(ck.scope, ck.key);
-	ck.has_fingerprint = !PG_ARGISNULL(2);
-	ck.fingerprint = 0;
-	if (ck.has_fingerprint)
-		ck.fingerprint = DatumGetInt64(DirectFunctionCall2(jsonb_hash_extended,
-														   PG_GETARG_DATUM(2),
-														   Int64GetDatum(IDEM_FINGERPRINT_SEED)));
-
-	check_claims_privilege(idem_partition_set(false), ACL_INSERT, "claim keys");
-	PreventCommandIfReadOnly("idem_claim()");
+	claim_key_args(fcinfo, 0, &ck);
+	if (!PG_ARGISNULL(2))
+	{
+		ck.payload = PG_GETARG_JSONB_P(2);
+		payload_digest(ck.payload, ck.digest);
+		ck.has_digest = true;
+	}
+	check_can_claim("idem_claim()");
 	PG_RETURN_BOOL(claim_key(&ck));
 }
 
@@ -698,8 +845,8 @@ idem_claim_many(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("keys must be a one-dimensional array")));
 	ck.scope = checked_scope(fcinfo, 1);
-	ck.has_fingerprint = false;
-	ck.fingerprint = 0;
+	ck.payload = NULL;
+	ck.has_digest = false;
 
 	deconstruct_array(arr, TEXTOID, -1, false, TYPALIGN_INT, &elems, &elemnulls, &nelems);
 
@@ -713,12 +860,11 @@ idem_claim_many(PG_FUNCTION_ARGS)
 					 errmsg("keys must not contain nulls"),
 					 errdetail("Element %d is null.", i + 1)));
 		keys[i] = DatumGetTextPP(elems[i]);
-		check_key(keys[i]);
+		validate_key(keys[i]);
 	}
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
-	check_claims_privilege(idem_partition_set(false), ACL_INSERT, "claim keys");
-	PreventCommandIfReadOnly("idem_claim_many()");
+	check_can_claim("idem_claim_many()");
 
 	order = palloc(sizeof(int) * Max(nelems, 1));
 	claimed = palloc0(sizeof(bool) * Max(nelems, 1));
@@ -763,18 +909,14 @@ idem_claimed(PG_FUNCTION_ARGS)
 	ClaimKey	ck;
 	ProbeResult res;
 	IdemPartitionSet *set;
-	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz now = idem_now();
 	bool		covers;
 
-	ck.key = checked_key(fcinfo, 0);
-	ck.scope = checked_scope(fcinfo, 1);
-	ck.hash = idem_key_hash(ck.scope, ck.key);
-	ck.has_fingerprint = false;
-
-	set = idem_partition_set(false);
+	claim_key_args(fcinfo, 0, &ck);
+	set = idem_partition_set();
 	check_claims_privilege(set, ACL_SELECT, "look up claims");
-	probe_all(set, now, GetActiveSnapshot(), &ck, covering_partition(set, now, &covers),
-			  PROBE_LIVE, &res);
+	probe_set(set, idem_target_partition(set, now, &covers), now,
+			  GetActiveSnapshot(), &ck, PROBE_ALL, &res);
 	if (res.status != PROBE_FOUND)
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(res.claimed_at);
@@ -791,11 +933,8 @@ idem_release(PG_FUNCTION_ARGS)
 	SnapshotData dirty;
 	LOCKTAG		tag;
 
-	ck.key = checked_key(fcinfo, 0);
-	ck.scope = checked_scope(fcinfo, 1);
-	ck.hash = idem_key_hash(ck.scope, ck.key);
-	ck.has_fingerprint = false;
-	check_claims_privilege(idem_partition_set(false), ACL_DELETE, "release claims");
+	claim_key_args(fcinfo, 0, &ck);
+	check_claims_privilege(idem_partition_set(), ACL_DELETE, "release claims");
 	PreventCommandIfReadOnly("idem_release()");
 
 	InitDirtySnapshot(dirty);
@@ -805,13 +944,13 @@ idem_release(PG_FUNCTION_ARGS)
 		IdemPartitionSet *set;
 		ProbeResult res;
 		Relation	heap;
-		TimestampTz now = GetCurrentTimestamp();
+		TimestampTz now = idem_now();
 		bool		covers;
 
 		LockAcquire(&tag, ExclusiveLock, false, false);
-		set = idem_partition_set(false);
-		probe_all(set, now, &dirty, &ck, covering_partition(set, now, &covers),
-				  PROBE_LIVE, &res);
+		set = idem_partition_set();
+		probe_set(set, idem_target_partition(set, now, &covers), now,
+				  &dirty, &ck, PROBE_ALL, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			LockRelease(&tag, ExclusiveLock, false);

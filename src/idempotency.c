@@ -22,7 +22,8 @@ void		_PG_init(void);
 void
 _PG_init(void)
 {
-	idem_retention_init();
+	idem_partitions_init();
+	idem_filters_init();
 	idem_guards_init();
 	idem_worker_init();
 }

@@ -3,9 +3,12 @@
  * idempotency.h
  *	  Declarations shared by the subsystems of the idempotency extension.
  *
- * Each subsystem lives in its own file with its own prefix: claims.c,
- * retention.c, guards.c, worker.c.  idempotency.c holds only _PG_init and
- * the few helpers every subsystem uses.
+ * Each subsystem lives in its own file: claims.c (the claim protocol),
+ * partitions.c (the per-backend cache of the partition registry that every
+ * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
+ * backend memory), retention.c (the maintenance round and idem_configure),
+ * guards.c, worker.c.  idempotency.c holds only _PG_init and the few helpers
+ * every subsystem uses.
  *
  *-------------------------------------------------------------------------
  */
@@ -16,6 +19,8 @@
 
 #include "datatype/timestamp.h"
 #include "utils/elog.h"
+#include "utils/relcache.h"
+#include "utils/snapshot.h"
 
 /* Name of the schema that holds the extension's tables and internals. */
 #define IDEM_SCHEMA "idempotency"
@@ -31,40 +36,113 @@
 extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 
+/*---- limits shared by C, SQL and messages ----*/
+
+/* Longest key and scope stored as they are (a btree tuple must fit). */
+#define IDEM_MAX_KEY_BYTES		2000
+#define IDEM_MAX_SCOPE_BYTES	63
+
+/*
+ * Most partitions a configuration may keep live (retention / interval +
+ * premake + 1): every claim consults each live sealed partition's filter.
+ */
+#define IDEM_MAX_LIVE_PARTITIONS	100
+
+/*
+ * Partitions starting this far in the future are still probed, so that a
+ * claimer whose clock reads slightly behind another's sees its claims.
+ */
+#define IDEM_CLOCK_SKEW_USECS	USECS_PER_SEC
+
+/*
+ * field4 values of our advisory locktags, side by side so they never
+ * collide; user advisory locks use 1 and 2.
+ */
+#define IDEM_LOCKTAG_CLAIM		0x4943	/* value lock of one (scope, key) */
+#define IDEM_LOCKTAG_MAINTAIN	0x494D	/* one maintenance round per database */
+
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);
 
-/* Bloom filters of sealed partitions (claims.c) */
-#define IDEM_BLOOM_HASHES		7
-#define IDEM_BLOOM_BITS_PER_KEY	10
-#define IDEM_BLOOM_ROUND_BITS	512		/* filter sizes are multiples of this */
-extern void idem_bloom_add(uint8 *bloom, uint32 nbits, uint64 hash);
-extern bool idem_bloom_maybe(const uint8 *bloom, uint32 nbits, uint64 hash);
+/*---- partitions.c: the partition registry and its per-backend cache ----*/
 
-/* retention.c: the partition registry and its per-backend cache */
 typedef struct IdemPartition
 {
 	Oid			relid;			/* partition table */
-	Oid			indexid;		/* its unique index on (scope, key), or
-								 * InvalidOid until first opened */
 	TimestampTz lower;			/* claims made at or after ... */
 	TimestampTz upper;			/* ... and before this go here */
 	bool		sealed;			/* no more claims will go here */
-	uint32		bloom_bits;		/* size of bloom in bits; 0 = no filter */
-	uint8	   *bloom;			/* Bloom filter of a sealed partition's keys */
+	bool		empty;			/* sealed without a single claim */
+	TimestampTz keep_until;		/* sealed: no claim in it is younger than
+								 * keep_until - retention */
+	bool		has_filter;		/* the registry holds a Bloom filter */
+	TransactionId filter_xmin;	/* names that filter (its registry row) */
+	Oid			indexid;		/* last seen (scope, key) index, a hint */
+	/* where this backend found the filter (filters.c) */
+	const uint8 *filter_bits;
+	uint32		filter_nbits;
+	uint64		filter_epoch;
+	bool		filter_missing; /* not loadable now: probe instead */
 } IdemPartition;
 
 typedef struct IdemPartitionSet
 {
 	Oid			claims_relid;	/* idempotency.claims, the parent */
-	int64		retention;		/* microseconds; older partitions are dead */
+	Oid			registry_relid; /* idempotency.partition_registry */
+	int64		retention;		/* microseconds */
+	int64		interval;		/* microseconds */
+	int			premake;
 	uint64		generation;		/* changes whenever the set is rebuilt */
 	int			nparts;
 	IdemPartition *parts;		/* sorted by lower, newest first */
 } IdemPartitionSet;
 
-extern IdemPartitionSet *idem_partition_set(bool fresh);
-extern void idem_retention_init(void);
+/* Settings as stored (seconds), with their defaults and bounds. */
+typedef struct IdemSettings
+{
+	int64		retention;
+	int64		interval;
+	int			premake;
+} IdemSettings;
+
+#define IDEM_DEFAULT_RETENTION_SECS	(7 * SECS_PER_DAY)
+#define IDEM_DEFAULT_INTERVAL_SECS	SECS_PER_DAY
+#define IDEM_DEFAULT_PREMAKE		4
+#define IDEM_MAX_PREMAKE			1000
+#define IDEM_MAX_INTERVAL_SECS		(10 * DAYS_PER_YEAR * SECS_PER_DAY)
+#define IDEM_MAX_RETENTION_SECS		(100 * DAYS_PER_YEAR * SECS_PER_DAY)
+
+extern IdemPartitionSet *idem_partition_set(void);
+extern IdemPartitionSet *idem_partition_set_fresh(void);
+extern IdemPartition *idem_target_partition(IdemPartitionSet *set, TimestampTz now,
+											bool *covers);
+extern bool idem_partition_expired(IdemPartitionSet *set, IdemPartition *p,
+								   TimestampTz now);
+extern IdemSettings idem_read_settings(Snapshot snap);
+extern int64 idem_interval_seconds(Interval *iv);
+extern TimestampTz idem_now(void);
+extern void idem_debug_wait(const char *point);
+extern void idem_partitions_init(void);
+
+/*---- filters.c: Bloom filters of sealed partitions ----*/
+
+#define IDEM_BLOOM_HASHES		7
+#define IDEM_BLOOM_BITS_PER_KEY	10
+#define IDEM_BLOOM_BLOCK_BITS	512		/* one cache line; sizes are multiples */
+
+/* what idem_filter_build() learned about a partition while scanning it */
+typedef struct IdemSealInfo
+{
+	int64		nkeys;
+	TimestampTz max_claimed_at; /* DT_NOBEGIN when empty */
+} IdemSealInfo;
+
+extern bytea *idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info);
+extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
+extern void idem_filters_forget_others(IdemPartitionSet *set);
+extern void idem_filters_init(void);
+
+/*---- retention.c: maintenance ----*/
 extern int	idem_maintain_round(int elevel);
 
 /* worker.c: the maintenance background worker */

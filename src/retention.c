@@ -1,41 +1,54 @@
 /*-------------------------------------------------------------------------
  *
  * retention.c
- *	  Time partitions of the claims table: the registry, its per-backend
- *	  cache, partition creation, idem_configure() and idem_maintain().
+ *	  Maintenance of the time partitions of idempotency.claims: creating
+ *	  them ahead, extending the newest after a lag, sealing passed ones,
+ *	  dropping expired ones; idem_configure() and idem_maintain().
  *
- * Claims are stored in plain tables that inherit from idempotency.claims,
- * one per time range.  idempotency.partition_registry lists them with their
- * ranges; claimers never read it per claim but keep a cache that a statement
- * trigger on the registry invalidates (a relcache invalidation of the
- * registry, delivered to every backend at the registry writer's commit).
+ * A round is a list of independent actions, each in its own
+ * subtransaction: one object that cannot be handled (a partition another
+ * object depends on, say) costs one reported row and the rest of the round
+ * goes on.
  *
  * Locking rules:
- *	- Claimers take only AccessShareLock on the registry (while rebuilding
- *	  the cache) and weak locks on partitions; nothing here makes them wait.
+ *	- Concurrent rounds are serialised by a transaction-level advisory lock
+ *	  taken with try semantics: the loser returns at once.  idem_configure()
+ *	  waits for it instead, and reads and validates the settings only once
+ *	  it holds it, so two configurations never combine into an invalid one.
  *	- Creating a partition takes ShareUpdateExclusiveLock on the parent
- *	  (CREATE TABLE ... INHERITS), which claimers never lock.
- *	- A partition is dropped only after it has been marked expired in the
- *	  registry, and only under a conditional AccessExclusiveLock: a claimer
- *	  or reader still using it makes maintenance skip it until a later round,
- *	  so claimers never queue behind a drop.
- *	- Concurrent idem_maintain() calls are serialised by a transaction-level
- *	  advisory lock taken with try semantics: the loser returns at once.
+ *	  (CREATE TABLE ... INHERITS), which claimers never lock, and holds
+ *	  AccessExclusiveLock on the new table until commit, after the registry
+ *	  invalidation is sent: no claim can go into it before every backend can
+ *	  know of it (see partitions.c).
+ *	- Sealing takes ShareLock on the partition, conditionally: holding it
+ *	  proves no claimer is inserting there; one that comes later waits for
+ *	  our commit, sees the seal and chooses another partition.  The scan
+ *	  under that lock records the partition's Bloom filter, its number of
+ *	  claims and its newest claimed_at.
+ *	- Only sealed partitions are dropped, and only once their newest claim
+ *	  (or their upper bound, if later) is older than the retention, or when
+ *	  they are empty: that is the condition under which claimers stop
+ *	  looking at them, so no claimer holds a lock on them.  The
+ *	  AccessExclusiveLock is taken conditionally all the same (a reader of
+ *	  idempotency.claims may hold one), and a busy partition waits for a
+ *	  later round: claimers never queue behind a drop.
+ *	- Changing partition_interval seals the premade partitions of the old
+ *	  width (empty ones are then dropped like any empty sealed partition)
+ *	  instead of dropping them outright, so a claim that a stale claimer put
+ *	  into one is never lost.
  *
- * Claims must never fail for want of a partition: when maintenance lags and
- * no partition covers the current time, claims go into the newest partition,
- * and the next maintenance round extends that partition's upper bound before
- * creating new ones, so retention still counts from the last claim in it.
+ * Claims never fail for want of a partition: when maintenance lags and no
+ * partition covers the current time, claims go into the newest partition
+ * (idem_target_partition()), and the next round extends that same
+ * partition's upper bound before creating new ones.
  *
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
 
-#include "access/heapam.h"
-#include "access/htup_details.h"
 #include "access/relation.h"
 #include "access/table.h"
-#include "access/tableam.h"
+#include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "common/pg_prng.h"
@@ -49,234 +62,14 @@
 #include "utils/builtins.h"
 #include "utils/datetime.h"
 #include "utils/guc.h"
-#include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
-#include "commands/trigger.h"
 
-PG_FUNCTION_INFO_V1(idem_registry_changed);
 PG_FUNCTION_INFO_V1(idem_configure);
 PG_FUNCTION_INFO_V1(idem_maintain);
-
-/* Registry columns */
-#define Anum_registry_relid		1
-#define Anum_registry_lower		2
-#define Anum_registry_upper		3
-#define Anum_registry_sealed	4
-#define Anum_registry_bloom		5
-#define Natts_registry			5
-
-/* Settings columns (all NOT NULL) */
-#define Anum_settings_retention	2
-#define Anum_settings_interval	3
-#define Anum_settings_premake	4
-
-/* Defaults when idempotency.settings has no row (SPEC.md section 2) */
-#define DEFAULT_RETENTION_SECS		(7 * SECS_PER_DAY)
-#define DEFAULT_INTERVAL_SECS		SECS_PER_DAY
-#define DEFAULT_PREMAKE				4
-#define MAX_PREMAKE					1000
-/* keep every partition bound far inside the timestamp range */
-#define MAX_INTERVAL_SECS			(10 * DAYS_PER_YEAR * SECS_PER_DAY)
-#define MAX_RETENTION_SECS			(100 * DAYS_PER_YEAR * SECS_PER_DAY)
-
-/* field4 of our advisory locktags; user advisory locks use 1 and 2 */
-#define IDEM_LOCKTAG_MAINTAIN		0x494D
-
-/*
- * Sealed partitions with more claims than this get no Bloom filter (every
- * backend keeps the filters in memory: 1.25 bytes per claim); claims probe
- * their index instead.
- */
-#define IDEM_BLOOM_MAX_KEYS			(1024 * 1024)
-
-typedef struct IdemSettings
-{
-	int64		retention;		/* seconds */
-	int64		interval;		/* seconds */
-	int			premake;
-} IdemSettings;
-
-static int64
-interval_seconds(Interval *iv)
-{
-	/* months count as 30 days, as in EXTRACT(EPOCH FROM interval) */
-	return iv->time / USECS_PER_SEC +
-		(int64) iv->day * SECS_PER_DAY +
-		(int64) iv->month * DAYS_PER_MONTH * SECS_PER_DAY;
-}
-
-/*---- per-backend cache of the registry ----*/
-static MemoryContext partition_cxt = NULL;
-static IdemPartitionSet *partition_cache = NULL;
-static Oid	registry_relid = InvalidOid;
-static uint64 partition_generation = 0;
-
-static void
-partition_cache_callback(Datum arg, Oid relid)
-{
-	if (relid == InvalidOid || relid == registry_relid)
-		partition_cache = NULL;
-}
-
-void
-idem_retention_init(void)
-{
-	CacheRegisterRelcacheCallback(partition_cache_callback, (Datum) 0);
-}
-
-static int
-partition_newest_first(const void *a, const void *b)
-{
-	const IdemPartition *pa = a;
-	const IdemPartition *pb = b;
-
-	if (pa->lower != pb->lower)
-		return pa->lower > pb->lower ? -1 : 1;
-	return pa->relid > pb->relid ? -1 : (pa->relid < pb->relid ? 1 : 0);
-}
-
-/*
- * The settings as a snapshot sees them (defaults when there is no row).
- * Read without SPI: claimers rebuilding their cache use it too.
- */
-static IdemSettings
-read_settings(Snapshot snap)
-{
-	IdemSettings s = {DEFAULT_RETENTION_SECS, DEFAULT_INTERVAL_SECS, DEFAULT_PREMAKE};
-	Relation	rel = table_open(idem_internal_relid("settings"), AccessShareLock);
-	TableScanDesc scan;
-	HeapTuple	tup;
-
-	snap = RegisterSnapshot(snap);
-	scan = table_beginscan(rel, snap, 0, NULL);
-	tup = heap_getnext(scan, ForwardScanDirection);
-	if (tup != NULL)
-	{
-		TupleDesc	desc = RelationGetDescr(rel);
-		bool		isnull;
-
-		s.retention = interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_retention, desc, &isnull)));
-		s.interval = interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_interval, desc, &isnull)));
-		s.premake = DatumGetInt32(heap_getattr(tup, Anum_settings_premake, desc, &isnull));
-	}
-	table_endscan(scan);
-	UnregisterSnapshot(snap);
-	table_close(rel, AccessShareLock);
-	return s;
-}
-
-/* Read the registry with a fresh snapshot into a new cache. */
-static IdemPartitionSet *
-build_partition_set(void)
-{
-	Oid			nspid = idem_schema_oid();
-	Oid			regid = idem_internal_relid("partition_registry");
-	Relation	rel;
-	Snapshot	snap;
-	TableScanDesc scan;
-	HeapTuple	tup;
-	IdemPartitionSet *set;
-	MemoryContext oldcxt;
-	int			cap = 16;
-
-	if (partition_cxt == NULL)
-		partition_cxt = AllocSetContextCreate(CacheMemoryContext,
-											  "idempotency partitions",
-											  ALLOCSET_SMALL_SIZES);
-	else
-		MemoryContextReset(partition_cxt);
-	partition_cache = NULL;
-	registry_relid = regid;
-
-	rel = table_open(regid, AccessShareLock);
-	snap = RegisterSnapshot(GetLatestSnapshot());
-
-	oldcxt = MemoryContextSwitchTo(partition_cxt);
-	set = palloc0(sizeof(IdemPartitionSet));
-	set->claims_relid = get_relname_relid("claims", nspid);
-	set->retention = read_settings(snap).retention * USECS_PER_SEC;
-	set->generation = ++partition_generation;
-	set->parts = palloc(cap * sizeof(IdemPartition));
-
-	scan = table_beginscan(rel, snap, 0, NULL);
-	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
-	{
-		Datum		values[Natts_registry];
-		bool		nulls[Natts_registry];
-		IdemPartition *p;
-
-		heap_deform_tuple(tup, RelationGetDescr(rel), values, nulls);
-		if (set->nparts == cap)
-		{
-			cap *= 2;
-			set->parts = repalloc(set->parts, cap * sizeof(IdemPartition));
-		}
-		p = &set->parts[set->nparts++];
-		p->relid = DatumGetObjectId(values[Anum_registry_relid - 1]);
-		p->indexid = InvalidOid;
-		p->lower = DatumGetTimestampTz(values[Anum_registry_lower - 1]);
-		p->upper = DatumGetTimestampTz(values[Anum_registry_upper - 1]);
-		p->sealed = DatumGetBool(values[Anum_registry_sealed - 1]);
-		p->bloom = NULL;
-		p->bloom_bits = 0;
-		if (p->sealed && !nulls[Anum_registry_bloom - 1])
-		{
-			bytea	   *b = DatumGetByteaPCopy(values[Anum_registry_bloom - 1]);
-
-			p->bloom = (uint8 *) VARDATA(b);
-			p->bloom_bits = (uint32) VARSIZE(b) * 8 - VARHDRSZ * 8;
-		}
-	}
-	table_endscan(scan);
-	MemoryContextSwitchTo(oldcxt);
-
-	UnregisterSnapshot(snap);
-	table_close(rel, AccessShareLock);
-
-	qsort(set->parts, set->nparts, sizeof(IdemPartition), partition_newest_first);
-	partition_cache = set;
-	return set;
-}
-
-/*
- * The live partitions, newest first.  With fresh = true the registry is
- * re-read even if no invalidation arrived (claimers do this when no cached
- * partition covers the current time).  The result stays valid until the
- * next call.
- */
-IdemPartitionSet *
-idem_partition_set(bool fresh)
-{
-	AcceptInvalidationMessages();
-	if (partition_cache == NULL || fresh)
-		return build_partition_set();
-	return partition_cache;
-}
-
-/*
- * Statement trigger on the registry and the settings: make every backend
- * drop its cached partition set when either changes (a relcache invalidation
- * of the registry, sent at commit and applied locally at the next command).
- */
-Datum
-idem_registry_changed(PG_FUNCTION_ARGS)
-{
-	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-
-	if (!CALLED_AS_TRIGGER(fcinfo))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("idempotency.registry_changed() must be called as a trigger")));
-	(void) trigdata;
-	CacheInvalidateRelcacheByRelid(idem_internal_relid("partition_registry"));
-	PG_RETURN_POINTER(NULL);
-}
-
-/*---- settings ----*/
-
 
 /* Only the owner of idempotency.claims (or a superuser) may reshape storage. */
 static void
@@ -291,7 +84,7 @@ check_maintenance_privilege(const char *what)
 				 errdetail("Only the owner of table idempotency.claims may manage its partitions.")));
 }
 
-/*---- partition creation ----*/
+/*---- SQL helpers ----*/
 
 /* Run one utility or DML statement through SPI, with arguments. */
 static void
@@ -364,6 +157,9 @@ create_partition(TimestampTz lower, TimestampTz upper)
 	return qualified;
 }
 
+
+/*---- a round and its actions ----*/
+
 /* Where a maintenance round reports its actions: rows, or the log. */
 typedef struct MaintainReport
 {
@@ -392,310 +188,332 @@ report_action(MaintainReport *rep, const char *action, const char *object)
 	tuplestore_putvalues(rep->store, rep->desc, values, nulls);
 }
 
+/* What one round works from. */
+typedef struct Round
+{
+	MaintainReport *rep;
+	IdemSettings s;
+	TimestampTz now;
+	IdemPartitionSet *set;		/* the registry as of the round's start */
+} Round;
+
+/* An action on one partition; false: not done now (reported by itself). */
+typedef bool (*PartitionAction) (Round *r, IdemPartition *p, const char *name);
+
+static char *
+partition_name(Oid relid)
+{
+	char	   *relname = get_rel_name(relid);
+
+	if (relname == NULL)
+		return NULL;
+	return psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+}
+
+/*
+ * Run one action in a subtransaction.  An error is reported as a row
+ * ("skip <verb> (<message>)") and rolled back alone; the round goes on.
+ */
+static bool
+run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
+{
+	MemoryContext oldcxt = CurrentMemoryContext;
+	ResourceOwner oldowner = CurrentResourceOwner;
+	char	   *name = partition_name(p->relid);
+	bool		done = false;
+
+	if (name == NULL)
+		return false;			/* dropped by hand: forget_missing() sees to it */
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(oldcxt);
+	PG_TRY();
+	{
+		done = fn(r, p, name);
+		ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(oldcxt);
+		CurrentResourceOwner = oldowner;
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(oldcxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(oldcxt);
+		CurrentResourceOwner = oldowner;
+		report_action(r->rep, psprintf("skip %s (%s)", verb, edata->message), name);
+		FreeErrorData(edata);
+		done = false;
+	}
+	PG_END_TRY();
+	return done;
+}
+
 static TimestampTz
 add_seconds(TimestampTz t, int64 secs)
 {
 	return t + secs * USECS_PER_SEC;
 }
 
-/*
- * Make sure partitions cover [now, now + premake intervals).  If the newest
- * partition ends in the past (maintenance lagged), claims have been going
- * into it: extend its upper bound past now instead of leaving a gap, so its
- * retention counts from its last claims.
- */
-static void
-ensure_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
+/* The next boundary of the interval grid at least a second after now. */
+static TimestampTz
+next_boundary(TimestampTz now, int64 interval_secs)
 {
-	TimestampTz newest_upper = 0;
-	bool		have_newest = false;
-	Oid			newest_relid = InvalidOid;
-	TimestampTz next;
-	TimestampTz horizon = add_seconds(now, s->interval * s->premake);
-	int64		iv_usecs = s->interval * USECS_PER_SEC;
-
-	if (SPI_execute("SELECT relid, upper FROM idempotency.partition_registry"
-					" ORDER BY upper DESC, lower DESC LIMIT 1", false, 1) != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.partition_registry");
-	if (SPI_processed == 1)
-	{
-		bool		isnull;
-
-		newest_relid = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[0],
-													  SPI_tuptable->tupdesc, 1, &isnull));
-		newest_upper = DatumGetTimestampTz(SPI_getbinval(SPI_tuptable->vals[0],
-														 SPI_tuptable->tupdesc, 2, &isnull));
-		have_newest = true;
-	}
-
-	/*
-	 * The next interval boundary on the grid, at least a second ahead.  When
-	 * extending after a lag, claimers that read the registry before our
-	 * commit keep inserting into the newest partition until they see it; the
-	 * second of slack keeps their claims inside its new range unless one
-	 * stalls longer than that between reading its clock and inserting (its
-	 * claim would then expire that much early).
-	 */
-	next = now - (now % iv_usecs) + iv_usecs;
-	if (next - now < USECS_PER_SEC)
-		next += iv_usecs;
-
-	if (!have_newest)
-	{
-		/* first partition covers the current interval */
-		TimestampTz lower = next - iv_usecs;
-
-		if (lower > now)
-			lower -= iv_usecs;
-		report_action(rep, "create", create_partition(lower, next));
-		newest_upper = next;
-	}
-	else if (newest_upper <= now)
-	{
-		Oid			types[2] = {OIDOID, TIMESTAMPTZOID};
-		Datum		values[2] = {ObjectIdGetDatum(newest_relid), TimestampTzGetDatum(next)};
-
-		spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
-				 2, types, values, SPI_OK_UPDATE);
-		report_action(rep, "extend", get_rel_name(newest_relid) ?
-					  psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(get_rel_name(newest_relid))) : "?");
-		newest_upper = next;
-	}
-
-	while (newest_upper < horizon)
-	{
-		TimestampTz upper = add_seconds(newest_upper, s->interval);
-
-		report_action(rep, "create", create_partition(newest_upper, upper));
-		newest_upper = upper;
-	}
-}
-
-/*
- * Registry condition: not the newest partition, which claims go into while
- * maintenance lags (so it is neither sealed nor dropped).
- */
-#define NOT_NEWEST_PARTITION \
-	"relid <> (SELECT relid FROM idempotency.partition_registry" \
-	"          ORDER BY upper DESC, lower DESC LIMIT 1)"
-
-/*
- * Run a query over the registry that returns partition OIDs in its first
- * column, and copy them out (the loop that follows runs more SPI).
- */
-static Oid *
-registry_oids(const char *sql, int nargs, Oid *types, Datum *values, uint64 *n)
-{
-	Oid		   *oids;
-
-	if (SPI_execute_with_args(sql, nargs, types, values, NULL, false, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.partition_registry");
-	*n = SPI_processed;
-	oids = palloc(sizeof(Oid) * (*n + 1));
-	for (uint64 i = 0; i < *n; i++)
-	{
-		bool		isnull;
-
-		oids[i] = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[i],
-												 SPI_tuptable->tupdesc, 1, &isnull));
-	}
-	return oids;
-}
-
-/*
- * Drop partitions whose every claim is older than the retention window.
- * Claimers stop probing such partitions by themselves (they know the
- * retention), so normally nobody holds a lock on them; a reader of
- * idempotency.claims might, so the AccessExclusiveLock is taken
- * conditionally and a busy partition waits for a later round.
- */
-static void
-drop_expired(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
-{
-	Oid			types[1] = {TIMESTAMPTZOID};
-	Datum		values[1] = {TimestampTzGetDatum(add_seconds(now, -s->retention))};
-	uint64		n;
-	Oid		   *victims;
-
-	/* never the newest partition: lagging claims may still go there */
-	victims = registry_oids("SELECT relid FROM idempotency.partition_registry"
-							" WHERE upper <= $1 AND " NOT_NEWEST_PARTITION
-							" ORDER BY lower",
-							1, types, values, &n);
-
-	for (uint64 i = 0; i < n; i++)
-	{
-		Oid			relid = victims[i];
-		char	   *relname = get_rel_name(relid);
-		char	   *qualified;
-		Oid			dtypes[1] = {OIDOID};
-		Datum		dvalues[1] = {ObjectIdGetDatum(relid)};
-
-		if (relname == NULL)
-		{
-			/* table already gone (dropped by hand): forget it */
-			spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
-					 1, dtypes, dvalues, SPI_OK_DELETE);
-			continue;
-		}
-		qualified = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
-		if (!ConditionalLockRelationOid(relid, AccessExclusiveLock))
-		{
-			report_action(rep, "skip drop (in use)", qualified);
-			continue;
-		}
-		spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
-				 1, dtypes, dvalues, SPI_OK_DELETE);
-		spi_exec(psprintf("DROP TABLE %s", qualified), 0, NULL, NULL, SPI_OK_UTILITY);
-		report_action(rep, "drop", qualified);
-	}
-}
-
-/*
- * After partition_interval changed: drop the premade partitions of the old
- * width and end the current one at the next boundary of the new grid, so the
- * new width applies from then on rather than after premake old intervals.
- * Claimers never probe partitions that start in the future, so dropping
- * those does not make them wait; this runs only from idem_configure(), which
- * may wait for a reader.
- */
-static void
-reshape_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
-{
-	int64		iv_usecs = s->interval * USECS_PER_SEC;
-	TimestampTz next = now - (now % iv_usecs) + iv_usecs;
-	Oid			types[1] = {TIMESTAMPTZOID};
-	Datum		values[1];
-	uint64		n;
-	char	  **victims;
+	int64		iv = interval_secs * USECS_PER_SEC;
+	TimestampTz next = now - (now % iv) + iv;
 
 	if (next - now < USECS_PER_SEC)
-		next += iv_usecs;
-	values[0] = TimestampTzGetDatum(next);
+		next += iv;
+	return next;
+}
 
-	spi_exec("UPDATE idempotency.partition_registry SET upper = $1"
-			 " WHERE lower < $1 AND upper > $1", 1, types, values, SPI_OK_UPDATE);
-	if (SPI_execute_with_args("DELETE FROM idempotency.partition_registry r"
-							  " USING pg_catalog.pg_class c, pg_catalog.pg_namespace n"
-							  " WHERE r.lower >= $1 AND c.oid = r.relid AND n.oid = c.relnamespace"
-							  " RETURNING pg_catalog.format('%I.%I', n.nspname, c.relname)",
-							  1, types, values, NULL, false, 0) != SPI_OK_DELETE_RETURNING)
+static void
+set_upper(Oid relid, TimestampTz upper)
+{
+	Oid			types[2] = {OIDOID, TIMESTAMPTZOID};
+	Datum		values[2] = {ObjectIdGetDatum(relid), TimestampTzGetDatum(upper)};
+
+	spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
+			 2, types, values, SPI_OK_UPDATE);
+}
+
+/*---- sealing ----*/
+
+/*
+ * Seal a partition: no claim may go into it any more, which lets claimers
+ * check it without the value lock, mostly through its Bloom filter.
+ */
+static bool
+seal_one(Round *r, IdemPartition *p, const char *name)
+{
+	Relation	rel;
+	Snapshot	snap;
+	IdemSealInfo info;
+	bytea	   *bloom;
+	Oid			types[4] = {OIDOID, BYTEAOID, INT8OID, TIMESTAMPTZOID};
+	Datum		values[4];
+	char		nulls[4] = {' ', ' ', ' ', ' '};
+
+	if (!ConditionalLockRelationOid(p->relid, ShareLock))
+		return false;			/* a claimer is inserting: next round */
+	rel = table_open(p->relid, NoLock);
+	snap = RegisterSnapshot(GetLatestSnapshot());
+	bloom = idem_filter_build(rel, snap, &info);
+	UnregisterSnapshot(snap);
+	table_close(rel, NoLock);
+
+	values[0] = ObjectIdGetDatum(p->relid);
+	values[1] = PointerGetDatum(bloom);
+	nulls[1] = bloom == NULL ? 'n' : ' ';
+	values[2] = Int64GetDatum(info.nkeys);
+	values[3] = TimestampTzGetDatum(info.max_claimed_at);
+	nulls[3] = info.nkeys == 0 ? 'n' : ' ';
+	if (SPI_execute_with_args("UPDATE idempotency.partition_registry"
+							  " SET sealed = true, bloom = $2, nkeys = $3, max_claimed_at = $4"
+							  " WHERE relid = $1",
+							  4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	n = SPI_processed;
-	victims = palloc(sizeof(char *) * (n + 1));
-	for (uint64 i = 0; i < n; i++)
-		victims[i] = SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1);
-	for (uint64 i = 0; i < n; i++)
+	report_action(r->rep, "seal", name);
+	return true;
+}
+
+/*
+ * Seal the partitions whose range has passed (by a second, for claimers
+ * whose clock reads a little behind), except the one claims go into while
+ * maintenance lags.
+ */
+static void
+seal_passed(Round *r)
+{
+	bool		covers;
+	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+
+	for (int i = r->set->nparts - 1; i >= 0; i--)
 	{
-		spi_exec(psprintf("DROP TABLE %s", victims[i]), 0, NULL, NULL, SPI_OK_UTILITY);
-		report_action(rep, "drop", victims[i]);
+		IdemPartition *p = &r->set->parts[i];
+
+		if (!p->sealed && p != target && p->upper <= r->now - USECS_PER_SEC)
+			run_action(r, seal_one, p, "seal");
+	}
+}
+
+/*---- dropping ----*/
+
+static bool
+drop_one(Round *r, IdemPartition *p, const char *name)
+{
+	Oid			types[1] = {OIDOID};
+	Datum		values[1] = {ObjectIdGetDatum(p->relid)};
+
+	if (!ConditionalLockRelationOid(p->relid, AccessExclusiveLock))
+	{
+		report_action(r->rep, "skip drop (in use)", name);
+		return false;
+	}
+	spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
+			 1, types, values, SPI_OK_DELETE);
+	spi_exec(psprintf("DROP TABLE %s", name), 0, NULL, NULL, SPI_OK_UTILITY);
+	report_action(r->rep, "drop", name);
+	return true;
+}
+
+/* Drop the sealed partitions whose claims have all expired. */
+static void
+drop_expired(Round *r)
+{
+	for (int i = r->set->nparts - 1; i >= 0; i--)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (idem_partition_expired(r->set, p, r->now))
+			run_action(r, drop_one, p, "drop");
+	}
+}
+
+/*---- creating and extending ----*/
+
+static bool
+extend_one(Round *r, IdemPartition *p, const char *name)
+{
+	set_upper(p->relid, p->upper);
+	report_action(r->rep, "extend", name);
+	return true;
+}
+
+static bool
+cut_one(Round *r, IdemPartition *p, const char *name)
+{
+	set_upper(p->relid, p->upper);
+	report_action(r->rep, "cut", name);
+	return true;
+}
+
+/* The earliest lower bound of a partition that takes claims and lies ahead. */
+static bool
+first_future_lower(Round *r, TimestampTz *lower)
+{
+	bool		found = false;
+
+	for (int i = 0; i < r->set->nparts; i++)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (!p->sealed && p->lower > r->now && (!found || p->lower < *lower))
+		{
+			*lower = p->lower;
+			found = true;
+		}
+	}
+	return found;
+}
+
+/*
+ * Make sure a partition covers now, and others [now, now + premake
+ * intervals).  If the partition claims go into ends in the past
+ * (maintenance lagged), claims have been going into it: extend its upper
+ * bound past now (up to the next partition made ahead, if any) instead of
+ * leaving a gap.  If none has begun (the registry is empty, or only holds
+ * partitions ahead), create one from the start of the current interval.
+ */
+static void
+ensure_partitions(Round *r)
+{
+	bool		covers;
+	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+	TimestampTz next = next_boundary(r->now, r->s.interval);
+	TimestampTz horizon = add_seconds(r->now, r->s.interval * r->s.premake);
+	TimestampTz upper = next;
+	TimestampTz ahead = 0;
+	TimestampTz cursor = r->now;
+
+	if (first_future_lower(r, &ahead) && ahead < upper)
+		upper = ahead;
+	if (!covers && target != NULL && target->lower <= r->now)
+	{
+		IdemPartition extended = *target;
+
+		extended.upper = upper;
+		if (run_action(r, extend_one, &extended, "extend"))
+			target->upper = upper;
+	}
+	else if (!covers)
+	{
+		TimestampTz lower = next - r->s.interval * USECS_PER_SEC;
+
+		if (lower > r->now)
+			lower -= r->s.interval * USECS_PER_SEC;
+		report_action(r->rep, "create", create_partition(lower, upper));
+		cursor = upper;
+	}
+
+	/* new partitions follow the last one that can take claims */
+	for (int i = 0; i < r->set->nparts; i++)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (!p->sealed && p->upper > cursor)
+			cursor = p->upper;
+	}
+	while (cursor < horizon)
+	{
+		TimestampTz u = add_seconds(cursor, r->s.interval);
+
+		report_action(r->rep, "create", create_partition(cursor, u));
+		cursor = u;
+	}
+}
+
+/*
+ * After partition_interval changed: seal the premade partitions of the old
+ * width, newest first, and end the current one at the next boundary of the
+ * new grid, so the new width applies from then on.  A premade partition
+ * that cannot be sealed now (a claimer is inserting there) stays, and the
+ * new width starts after it.
+ */
+static void
+reshape_partitions(Round *r)
+{
+	bool		covers;
+	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+	TimestampTz next = next_boundary(r->now, r->s.interval);
+	bool		all_sealed = true;
+
+	for (int i = 0; i < r->set->nparts && all_sealed; i++)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (p->sealed || p == target || p->lower <= r->now)
+			continue;
+		if (run_action(r, seal_one, p, "seal"))
+			p->sealed = true;
+		else
+			all_sealed = false;
+	}
+	if (all_sealed && target != NULL && covers && target->upper != next)
+	{
+		IdemPartition cut = *target;
+
+		cut.upper = next;
+		if (run_action(r, cut_one, &cut, "cut"))
+			target->upper = next;
 	}
 }
 
 /* Forget registry entries whose table was dropped by hand. */
 static void
-forget_missing(MaintainReport *rep)
+forget_missing(Round *r)
 {
-	if (SPI_execute("DELETE FROM idempotency.partition_registry r"
-					" WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = r.relid)"
-					" RETURNING r.relid::pg_catalog.oid::pg_catalog.text",
+	if (SPI_execute("DELETE FROM idempotency.partition_registry reg"
+					" WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = reg.relid)"
+					" RETURNING reg.relid::pg_catalog.oid::pg_catalog.text",
 					false, 0) != SPI_OK_DELETE_RETURNING)
 		elog(ERROR, "could not update idempotency.partition_registry");
 	for (uint64 i = 0; i < SPI_processed; i++)
-		report_action(rep, "forget missing partition",
+		report_action(r->rep, "forget missing partition",
 					  SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
-}
-
-/*
- * Bloom filter over the claims of a partition that takes no more claims, or
- * NULL if it has too many.  Needs a lock on the partition that keeps
- * inserters out.
- */
-static bytea *
-build_bloom(Oid relid)
-{
-	Relation	rel = table_open(relid, NoLock);
-	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
-	TableScanDesc scan;
-	HeapTuple	tup;
-	uint64		nkeys = 0;
-	uint32		nbits;
-	bytea	   *bloom = NULL;
-
-	/* one pass to size the filter, one to fill it */
-	scan = table_beginscan(rel, snap, 0, NULL);
-	while (heap_getnext(scan, ForwardScanDirection) != NULL)
-		nkeys++;
-	table_endscan(scan);
-
-	if (nkeys <= IDEM_BLOOM_MAX_KEYS)
-	{
-		nbits = (uint32) Max(nkeys * IDEM_BLOOM_BITS_PER_KEY, IDEM_BLOOM_ROUND_BITS);
-		nbits = (nbits + IDEM_BLOOM_ROUND_BITS - 1) / IDEM_BLOOM_ROUND_BITS * IDEM_BLOOM_ROUND_BITS;
-		bloom = palloc0(VARHDRSZ + nbits / 8);
-		SET_VARSIZE(bloom, VARHDRSZ + nbits / 8);
-
-		scan = table_beginscan(rel, snap, 0, NULL);
-		while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
-		{
-			bool		isnull;
-			text	   *scope = DatumGetTextPP(heap_getattr(tup, 1, RelationGetDescr(rel), &isnull));
-			text	   *key = DatumGetTextPP(heap_getattr(tup, 2, RelationGetDescr(rel), &isnull));
-
-			idem_bloom_add((uint8 *) VARDATA(bloom), nbits, idem_key_hash(scope, key));
-		}
-		table_endscan(scan);
-	}
-
-	UnregisterSnapshot(snap);
-	table_close(rel, NoLock);
-	return bloom;
-}
-
-/*
- * Seal the partitions whose range has passed: no claim may go into them any
- * more, which lets claimers check them without the value lock, mostly
- * through a Bloom filter in memory.  The ShareLock, taken conditionally, proves that no claimer is
- * inserting into the partition; one that tries later waits for our commit,
- * then sees the seal and chooses another partition (see insert_claim()).
- */
-static void
-seal_partitions(const IdemSettings *s, TimestampTz now, MaintainReport *rep)
-{
-	Oid			types[2] = {TIMESTAMPTZOID, TIMESTAMPTZOID};
-	Datum		values[2];
-	uint64		n;
-	Oid		   *candidates;
-
-	values[0] = TimestampTzGetDatum(add_seconds(now, -1));
-	values[1] = TimestampTzGetDatum(add_seconds(now, -s->retention));
-	candidates = registry_oids("SELECT relid FROM idempotency.partition_registry"
-							   " WHERE NOT sealed AND upper <= $1 AND upper > $2"
-							   "   AND " NOT_NEWEST_PARTITION
-							   " ORDER BY lower",
-							   2, types, values, &n);
-
-	for (uint64 i = 0; i < n; i++)
-	{
-		Oid			utypes[2] = {OIDOID, BYTEAOID};
-		Datum		uvalues[2];
-		char		unulls[2] = {' ', ' '};
-		bytea	   *bloom;
-		char	   *relname = get_rel_name(candidates[i]);
-
-		if (relname == NULL || !ConditionalLockRelationOid(candidates[i], ShareLock))
-			continue;			/* gone, or a claimer is inserting: next round */
-		bloom = build_bloom(candidates[i]);
-		uvalues[0] = ObjectIdGetDatum(candidates[i]);
-		uvalues[1] = PointerGetDatum(bloom);
-		if (bloom == NULL)
-			unulls[1] = 'n';
-		if (SPI_execute_with_args("UPDATE idempotency.partition_registry"
-								  " SET sealed = true, bloom = $2 WHERE relid = $1",
-								  2, utypes, uvalues, unulls, false, 0) != SPI_OK_UPDATE)
-			elog(ERROR, "could not update idempotency.partition_registry");
-		report_action(rep, "seal", psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname)));
-	}
 }
 
 /*
@@ -714,29 +532,47 @@ pin_search_path(void)
 	return nestlevel;
 }
 
+/* Take the maintenance lock; false if busy and not waiting. */
+static bool
+lock_maintenance(bool wait)
+{
+	LOCKTAG		tag;
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, IDEM_LOCKTAG_MAINTAIN);
+	return LockAcquire(&tag, ExclusiveLock, false, !wait) != LOCKACQUIRE_NOT_AVAIL;
+}
+
 /* One maintenance round; returns false if another session holds the lock. */
 static bool
 maintain(MaintainReport *rep, bool wait, bool reshape)
 {
-	LOCKTAG		tag;
-	IdemSettings s;
-	TimestampTz now;
+	Round		r;
 	int			nestlevel;
 
-	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, IDEM_LOCKTAG_MAINTAIN);
-	if (LockAcquire(&tag, ExclusiveLock, false, !wait) == LOCKACQUIRE_NOT_AVAIL)
+	if (!lock_maintenance(wait))
 		return false;
 
 	nestlevel = pin_search_path();
 	SPI_connect();
-	s = read_settings(GetLatestSnapshot());
-	now = GetCurrentTimestamp();
-	forget_missing(rep);
+	r.rep = rep;
+	r.s = idem_read_settings(GetLatestSnapshot());
+	r.now = idem_now();
+	forget_missing(&r);
+
+	/* each step works from the registry as the previous one left it */
+	r.set = idem_partition_set_fresh();
 	if (reshape)
-		reshape_partitions(&s, now, rep);
-	ensure_partitions(&s, now, rep);
-	seal_partitions(&s, now, rep);
-	drop_expired(&s, now, rep);
+	{
+		reshape_partitions(&r);
+		r.set = idem_partition_set_fresh();
+	}
+	ensure_partitions(&r);
+	r.set = idem_partition_set_fresh();
+	seal_passed(&r);
+	r.set = idem_partition_set_fresh();
+	drop_expired(&r);
+	idem_debug_wait("maintain_end");
+	idem_filters_forget_others(idem_partition_set_fresh());
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 	return true;
@@ -758,6 +594,60 @@ idem_maintain_round(int elevel)
 	return rep.nactions;
 }
 
+/*---- settings ----*/
+
+/* Error out unless a configuration is one the claim path can serve. */
+static void
+validate_settings(const IdemSettings *s)
+{
+	int64		live;
+
+	if (s->interval < 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("partition_interval must be at least 1 second")));
+	if (s->interval > IDEM_MAX_INTERVAL_SECS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("partition_interval must not exceed 10 years")));
+	if (s->retention > IDEM_MAX_RETENTION_SECS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention must not exceed 100 years")));
+	if (s->retention < s->interval)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention must not be shorter than partition_interval"),
+				 errdetail("retention is %lld seconds, partition_interval %lld seconds.",
+						   (long long) s->retention, (long long) s->interval)));
+	if (s->premake < 1 || s->premake > IDEM_MAX_PREMAKE)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("premake must be between 1 and %d", IDEM_MAX_PREMAKE)));
+
+	/* live partitions: the retention window, the current one, premade ones */
+	live = (s->retention + s->interval - 1) / s->interval + 1 + s->premake;
+	if (live > IDEM_MAX_LIVE_PARTITIONS)
+	{
+		int			room = IDEM_MAX_LIVE_PARTITIONS - 1 - s->premake;
+
+		if (room < 1)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("too many live partitions: premake %d leaves no room for the retention window",
+							s->premake),
+					 errdetail("At most %d partitions may be live at once.", IDEM_MAX_LIVE_PARTITIONS)));
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("too many live partitions: %lld, at most %d",
+						(long long) live, IDEM_MAX_LIVE_PARTITIONS),
+				 errdetail("Every claim consults each live partition; retention %lld s over partition_interval %lld s, plus premake %d, is too many.",
+						   (long long) s->retention, (long long) s->interval, s->premake),
+				 errhint("Use a partition_interval of at least %lld seconds.",
+						 (long long) ((s->retention + room - 1) / room))));
+	}
+}
+
 /*
  * idem_configure(retention, partition_interval, premake): validate, store,
  * and create the partitions the new settings call for.  NULL keeps a value.
@@ -774,12 +664,15 @@ idem_configure(PG_FUNCTION_ARGS)
 
 	check_maintenance_privilege("configure idempotency");
 
+	/* validate against the settings no other configuration can change now */
+	lock_maintenance(true);
+	idem_debug_wait("configure_locked");
 	nestlevel = pin_search_path();
 	SPI_connect();
-	s = read_settings(GetLatestSnapshot());
+	s = idem_read_settings(GetLatestSnapshot());
 	old_interval = s.interval;
 	if (!PG_ARGISNULL(0))
-		s.retention = interval_seconds(PG_GETARG_INTERVAL_P(0));
+		s.retention = idem_interval_seconds(PG_GETARG_INTERVAL_P(0));
 	if (!PG_ARGISNULL(1))
 	{
 		Interval   *iv = PG_GETARG_INTERVAL_P(1);
@@ -788,33 +681,11 @@ idem_configure(PG_FUNCTION_ARGS)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("partition_interval must be a whole number of seconds")));
-		s.interval = interval_seconds(iv);
+		s.interval = idem_interval_seconds(iv);
 	}
 	if (!PG_ARGISNULL(2))
 		s.premake = PG_GETARG_INT32(2);
-
-	if (s.interval < 1)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("partition_interval must be at least 1 second")));
-	if (s.interval > MAX_INTERVAL_SECS)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("partition_interval must not exceed 10 years")));
-	if (s.retention > MAX_RETENTION_SECS)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("retention must not exceed 100 years")));
-	if (s.retention < s.interval)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("retention must not be shorter than partition_interval"),
-				 errdetail("retention is %lld seconds, partition_interval %lld seconds.",
-						   (long long) s.retention, (long long) s.interval)));
-	if (s.premake < 1 || s.premake > MAX_PREMAKE)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("premake must be between 1 and %d", MAX_PREMAKE)));
+	validate_settings(&s);
 
 	/* store intervals as given (NULL keeps the stored or default value) */
 	for (int i = 0; i < 3; i++)
@@ -834,7 +705,7 @@ idem_configure(PG_FUNCTION_ARGS)
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 
-	/* new settings take effect now (after a round that is running ends) */
+	/* new settings take effect now */
 	maintain(NULL, true, s.interval != old_interval);
 	PG_RETURN_VOID();
 }

@@ -1,4 +1,4 @@
--- idempotency 1.0: schema, settings and the partition registry.
+-- idempotency: schema, settings and the partition registry.
 --
 -- Public functions (idem_*) are created in the extension's schema; tables,
 -- views and internals live in schema "idempotency".
@@ -27,17 +27,43 @@ CREATE TABLE idempotency.partition_registry (
     upper      timestamptz NOT NULL,
     sealed     boolean     NOT NULL DEFAULT false,  -- no claim can go here any more
     bloom      bytea,                               -- Bloom filter of a sealed partition's keys
+    nkeys      bigint,                              -- claims in it when sealed
+    max_claimed_at timestamptz,                     -- its newest claim when sealed
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '');
 
-CREATE FUNCTION idempotency.registry_changed() RETURNS trigger
-    AS 'MODULE_PATHNAME', 'idem_registry_changed' LANGUAGE C;
+-- Tells every backend to drop its cached partition set.  Internal: not
+-- executable by PUBLIC (triggers fire regardless), and it refuses to serve
+-- any table but these two.  ENABLE ALWAYS: the caches must hear of changes
+-- made with session_replication_role = replica too.
+CREATE FUNCTION idempotency.partition_cache_invalidate() RETURNS trigger
+    AS 'MODULE_PATHNAME', 'idem_partition_cache_invalidate' LANGUAGE C;
+REVOKE ALL ON FUNCTION idempotency.partition_cache_invalidate() FROM PUBLIC;
 
 CREATE TRIGGER registry_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.partition_registry
-    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.registry_changed();
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.partition_registry ENABLE ALWAYS TRIGGER registry_changed;
 
 CREATE TRIGGER settings_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.settings
-    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.registry_changed();
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.settings ENABLE ALWAYS TRIGGER settings_changed;
+
+-- This backend's view of the registry, and where filters are held.
+CREATE FUNCTION idempotency.cached_partitions(
+        OUT partition regclass, OUT lower timestamptz, OUT upper timestamptz,
+        OUT sealed boolean, OUT keep_until timestamptz, OUT generation bigint)
+    RETURNS SETOF record
+    AS 'MODULE_PATHNAME', 'idem_cached_partitions' LANGUAGE C VOLATILE;
+COMMENT ON FUNCTION idempotency.cached_partitions() IS
+    'the partitions as this backend''s cache lists them (diagnosis)';
+
+CREATE FUNCTION idempotency.filter_status(
+        OUT mode text, OUT memory_bytes bigint, OUT used_bytes bigint,
+        OUT filters integer, OUT refused bigint)
+    RETURNS record
+    AS 'MODULE_PATHNAME', 'idem_filter_status' LANGUAGE C VOLATILE;
+COMMENT ON FUNCTION idempotency.filter_status() IS
+    'where Bloom filters of sealed partitions are held (shared or local), how full, how many loads found no room';

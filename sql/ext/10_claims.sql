@@ -10,7 +10,8 @@ CREATE TABLE idempotency.claims (
     scope       text COLLATE "C" NOT NULL,
     key         text COLLATE "C" NOT NULL,
     claimed_at  timestamptz NOT NULL,
-    fingerprint bigint          -- hash of the claim's payload, if one was given
+    fingerprint bigint,         -- payload hash of claims made by version 1.0
+    digest      bytea           -- SHA-256 of the claim's canonical payload, if one was given
 );
 COMMENT ON TABLE idempotency.claims IS
     'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';
@@ -24,6 +25,8 @@ BEGIN
               HINT = 'Claim keys with idem_claim() or idem_claim_many().';
 END
 $$;
+
+REVOKE ALL ON FUNCTION idempotency.claims_read_only() FROM PUBLIC;
 
 CREATE TRIGGER claims_read_only
     BEFORE INSERT ON idempotency.claims

@@ -6,7 +6,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
-SELECT plan(48);
+SELECT plan(49);
 
 -- objects
 SELECT has_schema('idempotency', 'schema idempotency exists');
@@ -84,7 +84,10 @@ SELECT throws_ok($$SELECT idem_configure(retention => '1 hour', partition_interv
                  '22023', NULL, 'retention shorter than partition_interval raises 22023');
 SELECT throws_ok($$SELECT idem_configure(partition_interval => '500 milliseconds')$$,
                  '22023', NULL, 'partition_interval under 1 second raises 22023');
-SELECT lives_ok($$SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30)$$,
+SELECT throws_ok($$SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30)$$,
+                 '22023', 'too many live partitions: 3631, at most 100',
+                 'a shape with more live partitions than the claim path serves raises 22023');
+SELECT lives_ok($$SELECT idem_configure(retention => '1 minute', partition_interval => '1 second', premake => 30)$$,
                 'idem_configure with 1-second partitions');
 SELECT is(idem_claim('pgtap-after-configure'), true, 'claims work after idem_configure');
 

@@ -33,7 +33,7 @@ sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
 sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
-SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30);
+SELECT idem_configure(retention => '60 seconds', partition_interval => '1 second', premake => 30);
 CREATE TABLE stress_effects (key text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE stress_attempts (key text NOT NULL, claimed boolean NOT NULL);
 SQL
