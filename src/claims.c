@@ -319,6 +319,14 @@ payload_digest(Jsonb *jb, uint8 *digest)
 	pg_cryptohash_free(ctx);
 }
 
+/* Version 1.0's payload fingerprint, for claims stored by or for it. */
+static Datum
+legacy_fingerprint(Jsonb *payload)
+{
+	return DirectFunctionCall2(jsonb_hash_extended, JsonbPGetDatum(payload),
+							   Int64GetDatum(IDEM_FINGERPRINT_SEED));
+}
+
 /* IK001 if the claim found was made with another payload. */
 static void
 check_payload(ClaimKey *ck, ProbeResult *res)
@@ -332,11 +340,7 @@ check_payload(ClaimKey *ck, ProbeResult *res)
 	else if (res->has_fingerprint)
 	{
 		/* a claim made by version 1.0: compare its weaker hash */
-		int64		fp = DatumGetInt64(DirectFunctionCall2(jsonb_hash_extended,
-														   JsonbPGetDatum(ck->payload),
-														   Int64GetDatum(IDEM_FINGERPRINT_SEED)));
-
-		differs = fp != res->fingerprint;
+		differs = DatumGetInt64(legacy_fingerprint(ck->payload)) != res->fingerprint;
 	}
 	else
 		return;					/* claimed without a payload */
@@ -350,8 +354,12 @@ check_payload(ClaimKey *ck, ProbeResult *res)
 
 /*---- partitions: columns and indexes ----*/
 
-/* Error out unless a partition has the claims columns where we write them. */
-static void
+/*
+ * Error out unless a partition has the claims columns where we write them.
+ * Returns whether it has the digest column, which databases still at
+ * version 1.0 (library updated, ALTER EXTENSION UPDATE not yet run) lack.
+ */
+static bool
 check_partition_columns(Relation heap)
 {
 	TupleDesc	desc = RelationGetDescr(heap);
@@ -360,6 +368,8 @@ check_partition_columns(Relation heap)
 	{
 		Form_pg_attribute att = i < desc->natts ? TupleDescAttr(desc, i) : NULL;
 
+		if (att == NULL && i == Anum_claims_digest - 1)
+			return false;
 		if (att == NULL || att->attisdropped ||
 			strcmp(NameStr(att->attname), claims_columns[i]) != 0)
 			ereport(ERROR,
@@ -368,6 +378,7 @@ check_partition_columns(Relation heap)
 							RelationGetRelationName(heap)),
 					 errdetail("Column %d should be \"%s\".", i + 1, claims_columns[i])));
 	}
+	return true;
 }
 
 /* Is this index the unique btree index on exactly (scope, key)? */
@@ -467,7 +478,8 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			bool		isnull;
 			Datum		d;
 
-			check_partition_columns(heap);
+			bool		has_digest = check_partition_columns(heap);
+
 			res->status = PROBE_FOUND;
 			res->relid = part->relid;
 			res->tid = slot->tts_tid;
@@ -475,8 +487,9 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			d = slot_getattr(slot, Anum_claims_fingerprint, &isnull);
 			res->has_fingerprint = !isnull;
 			res->fingerprint = isnull ? 0 : DatumGetInt64(d);
-			d = slot_getattr(slot, Anum_claims_digest, &isnull);
-			res->has_digest = !isnull && VARSIZE_ANY_EXHDR(DatumGetByteaPP(d)) == PG_SHA256_DIGEST_LENGTH;
+			d = has_digest ? slot_getattr(slot, Anum_claims_digest, &isnull) : (Datum) 0;
+			res->has_digest = has_digest && !isnull &&
+				VARSIZE_ANY_EXHDR(DatumGetByteaPP(d)) == PG_SHA256_DIGEST_LENGTH;
 			if (res->has_digest)
 				memcpy(res->digest, VARDATA_ANY(DatumGetByteaPP(d)), PG_SHA256_DIGEST_LENGTH);
 		}
@@ -628,6 +641,7 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 	bool	   *nulls;
 	HeapTuple	tup;
 	TupleDesc	desc;
+	bool		has_digest;
 
 	heap = try_relation_open(part->relid, RowExclusiveLock);
 	if (heap == NULL)
@@ -644,7 +658,7 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 		return INSERT_CHANGED;
 	}
 
-	check_partition_columns(heap);
+	has_digest = check_partition_columns(heap);
 	desc = RelationGetDescr(heap);
 	values = palloc0(desc->natts * sizeof(Datum));
 	nulls = palloc(desc->natts * sizeof(bool));
@@ -656,7 +670,13 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 	nulls[Anum_claims_scope - 1] = false;
 	nulls[Anum_claims_key - 1] = false;
 	nulls[Anum_claims_claimed_at - 1] = false;
-	if (ck->has_digest)
+	if (ck->has_digest && !has_digest)
+	{
+		/* still at version 1.0: store its fingerprint */
+		values[Anum_claims_fingerprint - 1] = legacy_fingerprint(ck->payload);
+		nulls[Anum_claims_fingerprint - 1] = false;
+	}
+	else if (ck->has_digest)
 	{
 		bytea	   *d = palloc(VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
 

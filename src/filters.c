@@ -419,6 +419,11 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	if (!ok)
 		filter_area->refused++;
 	LWLockRelease(filter_area->lock);
+	if (!ok)
+		ereport(LOG,
+				(errmsg("no room for the Bloom filter of claims partition %u in idempotency.filter_memory",
+						p->relid),
+				 errdetail("Claims look in the partition's index instead; raise idempotency.filter_memory to avoid it.")));
 	return ok;
 }
 

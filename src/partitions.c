@@ -274,6 +274,7 @@ build_partition_set(void)
 		int			cap = 16;
 
 		/* locks first: taking them processes what is already queued */
+		idem_debug_wait("partition_set_open");
 		rel = open_internal(regid);
 		setrel = open_internal(setid);
 		invals = registry_invals;

@@ -296,6 +296,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	Oid			types[4] = {OIDOID, BYTEAOID, INT8OID, TIMESTAMPTZOID};
 	Datum		values[4];
 	char		nulls[4] = {' ', ' ', ' ', ' '};
+	bool		v10;
 
 	if (!ConditionalLockRelationOid(p->relid, ShareLock))
 		return false;			/* a claimer is inserting: next round */
@@ -311,10 +312,16 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	values[2] = Int64GetDatum(info.nkeys);
 	values[3] = TimestampTzGetDatum(info.max_claimed_at);
 	nulls[3] = info.nkeys == 0 ? 'n' : ' ';
-	if (SPI_execute_with_args("UPDATE idempotency.partition_registry"
+
+	/* a database still at version 1.0 has no room for what the seal found */
+	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
+	if (SPI_execute_with_args(v10 ?
+							  "UPDATE idempotency.partition_registry"
+							  " SET sealed = true, bloom = $2 WHERE relid = $1" :
+							  "UPDATE idempotency.partition_registry"
 							  " SET sealed = true, bloom = $2, nkeys = $3, max_claimed_at = $4"
 							  " WHERE relid = $1",
-							  4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
+							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
 	report_action(r->rep, "seal", name);
 	return true;
@@ -360,15 +367,24 @@ drop_one(Round *r, IdemPartition *p, const char *name)
 	return true;
 }
 
-/* Drop the sealed partitions whose claims have all expired. */
+/*
+ * Drop the sealed partitions whose claims have all expired.  Only those
+ * sealed before this round: every claimer has seen that seal commit, so none
+ * still takes the partition for one that can take claims (and waits behind
+ * our lock to probe it).
+ */
 static void
-drop_expired(Round *r)
+drop_expired(Round *r, IdemPartitionSet *sealed_before)
 {
 	for (int i = r->set->nparts - 1; i >= 0; i--)
 	{
 		IdemPartition *p = &r->set->parts[i];
+		bool		was_sealed = false;
 
-		if (idem_partition_expired(r->set, p, r->now))
+		for (int j = 0; j < sealed_before->nparts && !was_sealed; j++)
+			was_sealed = sealed_before->parts[j].relid == p->relid &&
+				sealed_before->parts[j].sealed;
+		if (was_sealed && idem_partition_expired(r->set, p, r->now))
 			run_action(r, drop_one, p, "drop");
 	}
 }
@@ -543,10 +559,23 @@ lock_maintenance(bool wait)
 }
 
 /* One maintenance round; returns false if another session holds the lock. */
+/* A copy of a partition set that outlives the next cache rebuild. */
+static IdemPartitionSet *
+copy_partition_set(IdemPartitionSet *set)
+{
+	IdemPartitionSet *copy = palloc(sizeof(IdemPartitionSet));
+
+	*copy = *set;
+	copy->parts = palloc(sizeof(IdemPartition) * Max(set->nparts, 1));
+	memcpy(copy->parts, set->parts, sizeof(IdemPartition) * set->nparts);
+	return copy;
+}
+
 static bool
 maintain(MaintainReport *rep, bool wait, bool reshape)
 {
 	Round		r;
+	IdemPartitionSet *before;
 	int			nestlevel;
 
 	if (!lock_maintenance(wait))
@@ -561,6 +590,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 
 	/* each step works from the registry as the previous one left it */
 	r.set = idem_partition_set_fresh();
+	before = copy_partition_set(r.set);
 	if (reshape)
 	{
 		reshape_partitions(&r);
@@ -570,7 +600,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	r.set = idem_partition_set_fresh();
 	seal_passed(&r);
 	r.set = idem_partition_set_fresh();
-	drop_expired(&r);
+	drop_expired(&r, before);
 	idem_debug_wait("maintain_end");
 	idem_filters_forget_others(idem_partition_set_fresh());
 	SPI_finish();
