@@ -8,7 +8,9 @@
 # Released versions are frozen in sql/versions/: the install script of each
 # earlier release (idempotency--1.0.sql) and the upgrade scripts
 # (idempotency--1.0--1.1.sql).  Every object added to or changed in sql/ext/
-# goes into the upgrade script to the current version too.  To release
+# goes into the upgrade script to the current version too; the TAP test
+# test/tap/040_upgrade.pl checks that every earlier version, updated, has
+# the objects of a fresh install.  To release
 # version X and start X+1: copy the built idempotency--X.sql into
 # sql/versions/, add sql/versions/idempotency--X--X+1.sql, bump
 # default_version.

@@ -18,5 +18,9 @@
 --   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
 -- Existing claim partitions are ordinary tables, not extension members: if
 -- their shape changes, alter them here as well.
+-- test/tap/040_upgrade.pl installs 1.0 with claims, settings, sealed
+-- partitions and guards, updates it, checks that all of it still works, and
+-- compares every member object (and the partitions' shape) with a fresh
+-- install; a failing run prints what differs.
 --
 -- 1.1 has no SQL changes yet.
