@@ -19,6 +19,9 @@
 # pg_isolation_regress, prove and pg_prove against real servers;
 # "make installcheck" runs the regression and isolation tests against a
 # running server (PGHOST, PGPORT, PGUSER).
+#
+# Warnings are errors only when asked: "make WERROR=1", or with CI=true in
+# the environment (as CI services set it, and .ci/run does).
 
 EXTENSION = idempotency
 EXTVERSION := $(shell sed -n "s/^[[:space:]]*default_version[[:space:]]*=[[:space:]]*'\([^']*\)'.*/\1/p" $(EXTENSION).control)
@@ -33,7 +36,13 @@ DATA = $(sort $(wildcard sql/versions/idempotency--*.sql))
 PG_CPPFLAGS = -Isrc
 # -Wextra's unused-parameter fires in PostgreSQL's own headers (and on every
 # PG_FUNCTION_ARGS), so it alone is off
-PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
+PG_CFLAGS = -Wall -Wextra -Wno-unused-parameter
+ifeq ($(CI),true)
+WERROR ?= 1
+endif
+ifneq ($(filter 1 yes true,$(WERROR)),)
+PG_CFLAGS += -Werror
+endif
 
 EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
 
