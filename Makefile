@@ -56,12 +56,28 @@ REGRESS = $(basename $(notdir $(sort $(wildcard sql/*.sql))))
 ISOLATION = $(basename $(notdir $(sort $(wildcard test/isolation/specs/*.spec))))
 ISOLATION_OPTS = --inputdir=test/isolation --outputdir=test/isolation/output_iso
 
+# every test output, wherever a test run leaves it
+EXTRA_CLEAN = results/ regression.diffs regression.out log/ tmp_check/ \
+	test/isolation/output_iso/ test/isolation/results/ test/isolation/log/ \
+	test/isolation/tmp_check/ test/tap/tmp_check/ test/tap/log/
+
 # no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
 override with_llvm = no
 
 PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
+
+# Supported PostgreSQL major versions (README "Installation"): 15 only, the
+# one built and tested.  The C code keeps version-specific parts behind
+# PG_VERSION_NUM guards so that 13-17 stay possible; to try one of those, at
+# your own risk: make PG_SUPPORTED_MAJORS=16
+PG_SUPPORTED_MAJORS = 15
+ifeq ($(filter clean distclean maintainer-clean,$(MAKECMDGOALS)),)
+ifeq ($(filter $(MAJORVERSION),$(PG_SUPPORTED_MAJORS)),)
+$(error idempotency supports PostgreSQL $(PG_SUPPORTED_MAJORS), but $(PG_CONFIG) is PostgreSQL $(VERSION); set PG_CONFIG to the pg_config of a supported version)
+endif
+endif
 
 idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 	cat $(EXT_SQL) > $@
