@@ -228,7 +228,7 @@ foreach my $old (@old)
 	# --- an $old database in use: settings, sealed partitions, claims, guards
 	$node->safe_psql($db, qq{
 		CREATE EXTENSION idempotency VERSION '$old';
-		SELECT idem_configure(retention => '10 minutes', partition_interval => '1 second', premake => 2);
+		SELECT idem_configure(retention => '90 seconds', partition_interval => '1 second', premake => 2);
 		-- the partitions CREATE EXTENSION made (of 1 day) expire, so maintenance
 		-- makes 1-second ones at once
 		UPDATE idempotency.partition_registry
@@ -301,7 +301,7 @@ foreach my $old (@old)
 		"$old -> $current: partition registry (ranges, sealed, Bloom filters) unchanged");
 	is($node->safe_psql($db,
 			'SELECT retention, partition_interval, premake FROM idempotency.settings'),
-		'00:10:00|00:00:01|2', "$old -> $current: settings intact");
+		'00:01:30|00:00:01|2', "$old -> $current: settings intact");
 
 	# --- claims still found
 	is($node->safe_psql($db, q{
