@@ -1,27 +1,65 @@
 # PGXS build for the idempotency extension.
 #
-# The install script idempotency--1.0.sql is assembled from one fragment per
-# subsystem in sql/ext/ (in name order), so each subsystem keeps its SQL next
-# to nothing else's.  Tests are run by test/run-tests, which drives
-# pg_regress, pg_isolation_regress, prove and pg_prove against real servers;
+# The install script of the current version, idempotency--$(EXTVERSION).sql,
+# is assembled from one fragment per subsystem in sql/ext/ (in name order),
+# so each subsystem keeps its SQL next to nothing else's.  EXTVERSION is the
+# default_version of idempotency.control.
+#
+# Released versions are frozen in sql/versions/: the install script of each
+# earlier release (idempotency--1.0.sql) and the upgrade scripts
+# (idempotency--1.0--1.1.sql).  Every object added to or changed in sql/ext/
+# goes into the upgrade script to the current version too; the TAP test
+# test/tap/040_upgrade.pl checks that every earlier version, updated, has
+# the objects of a fresh install.  To release
+# version X and start X+1: copy the built idempotency--X.sql into
+# sql/versions/, add sql/versions/idempotency--X--X+1.sql, bump
+# default_version.
+#
+# Tests are run by test/run-tests, which drives pg_regress,
+# pg_isolation_regress, prove and pg_prove against real servers;
 # "make installcheck" runs the regression and isolation tests against a
 # running server (PGHOST, PGPORT, PGUSER).
+#
+# Warnings are errors only when asked: "make WERROR=1", or with CI=true in
+# the environment (as CI services set it, and .ci/run does).
 
 EXTENSION = idempotency
+EXTVERSION := $(shell sed -n "s/^[[:space:]]*default_version[[:space:]]*=[[:space:]]*'\([^']*\)'.*/\1/p" $(EXTENSION).control)
+ifeq ($(EXTVERSION),)
+$(error cannot read default_version from $(EXTENSION).control)
+endif
+
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
-DATA_built = idempotency--1.0.sql
+DATA_built = idempotency--$(EXTVERSION).sql
+DATA = $(sort $(wildcard sql/versions/idempotency--*.sql))
 PG_CPPFLAGS = -Isrc
 # -Wextra's unused-parameter fires in PostgreSQL's own headers (and on every
 # PG_FUNCTION_ARGS), so it alone is off
-PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
+PG_CFLAGS = -Wall -Wextra -Wno-unused-parameter
+ifeq ($(CI),true)
+WERROR ?= 1
+endif
+ifneq ($(filter 1 yes true,$(WERROR)),)
+PG_CFLAGS += -Werror
+endif
 
 EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
 
-# regression tests: sql/<name>.sql with expected/<name>.out
+ifneq ($(wildcard sql/versions/idempotency--$(EXTVERSION).sql),)
+$(error sql/versions/idempotency--$(EXTVERSION).sql exists, but version $(EXTVERSION) is built from sql/ext: bump default_version in $(EXTENSION).control)
+endif
+
+# regression tests: sql/<name>.sql with expected/<name>.out (the install and
+# upgrade scripts live in subdirectories of sql/, so they are not among them)
 REGRESS = $(basename $(notdir $(sort $(wildcard sql/*.sql))))
 ISOLATION = $(basename $(notdir $(sort $(wildcard test/isolation/specs/*.spec))))
 ISOLATION_OPTS = --inputdir=test/isolation --outputdir=test/isolation/output_iso
+
+# every test output, wherever a test run leaves it
+EXTRA_CLEAN = results/ regression.diffs regression.out log/ tmp_check/ \
+	test/isolation/output_iso/ test/isolation/results/ test/isolation/log/ \
+	test/isolation/tmp_check/ test/tap/tmp_check/ test/tap/log/
 
 # no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
 override with_llvm = no
@@ -30,7 +68,18 @@ PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
 
-idempotency--1.0.sql: $(EXT_SQL)
+# Supported PostgreSQL major versions (README "Installation"): 15 only, the
+# one built and tested.  The C code keeps version-specific parts behind
+# PG_VERSION_NUM guards so that 13-17 stay possible; to try one of those, at
+# your own risk: make PG_SUPPORTED_MAJORS=16
+PG_SUPPORTED_MAJORS = 15
+ifeq ($(filter clean distclean maintainer-clean,$(MAKECMDGOALS)),)
+ifeq ($(filter $(MAJORVERSION),$(PG_SUPPORTED_MAJORS)),)
+$(error idempotency supports PostgreSQL $(PG_SUPPORTED_MAJORS), but $(PG_CONFIG) is PostgreSQL $(VERSION); set PG_CONFIG to the pg_config of a supported version)
+endif
+endif
+
+idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 	cat $(EXT_SQL) > $@
 
 $(OBJS): $(wildcard src/*.h)

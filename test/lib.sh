@@ -21,6 +21,7 @@
 #   IDEM_NO_INSTALL=1   skip make install (extension already installed)
 #   IDEM_NO_PACKAGES=1  skip the Debian package check
 #   IDEM_KEEP=1   keep the temp dir (work copy, data dir, logs) on exit
+#   CI=true       build with -Werror (make WERROR=1), as .ci/run does
 
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron
                postgresql-15-pgtap pgtap libipc-run-perl)
@@ -151,13 +152,17 @@ idem_build_install() {
     mkdir "$IDEM_WORK"
     tar -C "$IDEM_ROOT" -cf - \
         --exclude=./.git --exclude='*.o' --exclude='*.so' --exclude='*.bc' \
-        --exclude=./idempotency--1.0.sql --exclude=results --exclude=output_iso \
+        --exclude='./idempotency--*.sql' --exclude=results --exclude=output_iso \
         --exclude=tmp_check --exclude='regression.diffs' --exclude='regression.out' . \
         | tar -C "$IDEM_WORK" -xf -
-    local log=$IDEM_TMP/build.log destdir=()
+    local log=$IDEM_TMP/build.log destdir=() werror=() how=''
     [[ -n $IDEM_PG_ROOT ]] && destdir=(DESTDIR="$IDEM_PG_ROOT")
-    idem_log "building the extension (log: make output shown only on failure)"
-    if ! make -C "$IDEM_WORK" -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$PG_CONFIG" >"$log" 2>&1; then
+    if [[ ${CI:-} == true ]]; then
+        werror=(WERROR=1)
+        how=' with -Werror (CI=true)'
+    fi
+    idem_log "building the extension$how (log: make output shown only on failure)"
+    if ! make -C "$IDEM_WORK" -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$PG_CONFIG" "${werror[@]}" >"$log" 2>&1; then
         cat "$log" >&2
         idem_die "build failed"
     fi

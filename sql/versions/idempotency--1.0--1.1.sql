@@ -1,0 +1,26 @@
+\echo Use "ALTER EXTENSION idempotency UPDATE TO '1.1'" to load this file. \quit
+
+-- idempotency 1.0 -> 1.1 upgrade script.
+--
+-- The rule: every object added to sql/ext/ for 1.1 (or changed there since
+-- 1.0) goes into this script too, in the same commit, so that
+-- ALTER EXTENSION idempotency UPDATE gives exactly the objects of a fresh
+-- 1.1 install, with claims, settings, partitions and guards intact.
+--   * new objects: the same CREATE statements as in sql/ext/ (internals
+--     qualified with idempotency., public idem_* functions unqualified:
+--     the update runs with search_path set to the extension's schema, as
+--     CREATE EXTENSION does);
+--   * changed functions: CREATE OR REPLACE, or DROP and CREATE when the
+--     signature or return type changes;
+--   * new columns of existing tables: ALTER TABLE ... ADD COLUMN, which can
+--     only append, so add them at the end of the CREATE TABLE in sql/ext/;
+--   * new configuration tables: pg_extension_config_dump() here as well;
+--   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
+-- Existing claim partitions are ordinary tables, not extension members: if
+-- their shape changes, alter them here as well.
+-- test/tap/040_upgrade.pl installs 1.0 with claims, settings, sealed
+-- partitions and guards, updates it, checks that all of it still works, and
+-- compares every member object (and the partitions' shape) with a fresh
+-- install; a failing run prints what differs.
+--
+-- 1.1 has no SQL changes yet.
