@@ -146,7 +146,7 @@ idem_ensure_packages() {
 # copy, $IDEM_WORK; pg_regress writes results/ there), build and install the
 # extension from it, then hand the temp dir to the PostgreSQL user.
 idem_build_install() {
-    IDEM_TMP=$(mktemp -d /tmp/idem.XXXXXX)
+    IDEM_TMP=$(mktemp -d "${TMPDIR:-/tmp}/idem.XXXXXX")
     chmod 755 "$IDEM_TMP"
     IDEM_WORK=$IDEM_TMP/src
     mkdir "$IDEM_WORK"

@@ -23,4 +23,89 @@
 -- compares every member object (and the partitions' shape) with a fresh
 -- install; a failing run prints what differs.
 --
--- 1.1 has no SQL changes yet.
+
+---- claims store: seals record their claims, the cache trigger is internal,
+---- filters and the cache can be inspected, payloads get a digest --------
+
+-- partition registry: what a seal records (appended, as in 00_schema.sql)
+ALTER TABLE idempotency.partition_registry
+    ADD COLUMN nkeys bigint,                        -- claims in it when sealed
+    ADD COLUMN max_claimed_at timestamptz;          -- its newest claim when sealed
+
+-- Partitions sealed by 1.0 recorded neither: count them now, so that they
+-- are kept for the retention after their newest claim, as 1.1 seals do.
+DO $$
+DECLARE
+    p regclass;
+BEGIN
+    FOR p IN SELECT relid FROM idempotency.partition_registry WHERE sealed LOOP
+        EXECUTE format('UPDATE idempotency.partition_registry r'
+                       '   SET nkeys = c.n, max_claimed_at = c.newest'
+                       '  FROM (SELECT count(*) AS n, max(claimed_at) AS newest FROM %s) c'
+                       ' WHERE r.relid = %L::regclass', p, p::oid);
+    END LOOP;
+END
+$$;
+
+-- the invalidation trigger function under its new name
+CREATE FUNCTION idempotency.partition_cache_invalidate() RETURNS trigger
+    AS 'MODULE_PATHNAME', 'idem_partition_cache_invalidate' LANGUAGE C;
+REVOKE ALL ON FUNCTION idempotency.partition_cache_invalidate() FROM PUBLIC;
+
+DROP TRIGGER registry_changed ON idempotency.partition_registry;
+CREATE TRIGGER registry_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.partition_registry
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.partition_registry ENABLE ALWAYS TRIGGER registry_changed;
+
+DROP TRIGGER settings_changed ON idempotency.settings;
+CREATE TRIGGER settings_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.settings
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.settings ENABLE ALWAYS TRIGGER settings_changed;
+
+DROP FUNCTION idempotency.registry_changed();
+
+CREATE FUNCTION idempotency.cached_partitions(
+        OUT partition regclass, OUT lower timestamptz, OUT upper timestamptz,
+        OUT sealed boolean, OUT keep_until timestamptz, OUT generation bigint)
+    RETURNS SETOF record
+    AS 'MODULE_PATHNAME', 'idem_cached_partitions' LANGUAGE C VOLATILE;
+COMMENT ON FUNCTION idempotency.cached_partitions() IS
+    'the partitions as this backend''s cache lists them (diagnosis)';
+
+CREATE FUNCTION idempotency.filter_status(
+        OUT mode text, OUT memory_bytes bigint, OUT used_bytes bigint,
+        OUT filters integer, OUT refused bigint)
+    RETURNS record
+    AS 'MODULE_PATHNAME', 'idem_filter_status' LANGUAGE C VOLATILE;
+COMMENT ON FUNCTION idempotency.filter_status() IS
+    'where Bloom filters of sealed partitions are held (shared or local), how full, how many loads found no room';
+
+-- claims: SHA-256 payload digests (recurses into the existing partitions)
+ALTER TABLE idempotency.claims ADD COLUMN digest bytea;
+REVOKE ALL ON FUNCTION idempotency.claims_read_only() FROM PUBLIC;
+
+-- the partitions view gains columns in the middle: drop and create it
+DROP VIEW idempotency.partitions;
+CREATE VIEW idempotency.partitions AS
+SELECT r.relid AS partition,
+       r.lower,
+       r.upper,
+       CASE
+           WHEN r.sealed AND (r.nkeys = 0
+                 OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
+           WHEN r.sealed THEN 'sealed'
+           WHEN r.lower > now() THEN 'future'
+           WHEN now() < r.upper THEN 'current'
+           ELSE 'sealing'
+       END AS state,
+       r.nkeys AS claims,
+       r.max_claimed_at AS newest_claim,
+       r.bloom IS NOT NULL AS has_bloom_filter,
+       pg_catalog.pg_total_relation_size(r.relid) AS bytes
+FROM idempotency.partition_registry r
+CROSS JOIN (SELECT coalesce((SELECT retention FROM idempotency.settings),
+                            interval '7 days') AS retention) s;
+COMMENT ON VIEW idempotency.partitions IS
+    'time partitions of idempotency.claims with range, state and size';
