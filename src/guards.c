@@ -14,8 +14,20 @@
  * CREATE TRIGGER of a user table and pg_restore brings it back unchanged.
  * The trigger returns NULL to leave the row as it was ("skip"), which also
  * works in the DO UPDATE arm of INSERT ... ON CONFLICT, or raises IK004 /
- * IK005 ("error").  Trigger state (column number, parsed transitions) is
- * cached in the trigger's FmgrInfo for the life of one statement.
+ * IK005 ("error").  Trigger state (column number, the transition map parsed
+ * into values of the state column) is cached in the trigger's FmgrInfo for
+ * the life of one statement.
+ *
+ * Column rules: a version must be a finite value (NULL: 22004; NaN and
+ * +/-infinity: 22023); a stored NULL or NaN is no version yet.  States are
+ * parsed with the column type's input function and compared with its
+ * default equality operator, never as text, so char(n), booleans, integers,
+ * enums and domains behave as their values.  Generated columns cannot be
+ * guarded (BEFORE triggers do not see their new values).  On a table with
+ * both guards, an update that names the state column with the row's state
+ * and raises the version is applied: the version tells a newer snapshot
+ * from a redelivery.  A partition's guard cloned from its partitioned table
+ * can only be changed there.
  *
  * idem_upsert() and idem_transition() run ordinary SQL through SPI as the
  * calling role: no SECURITY DEFINER anywhere, so privileges, RLS and the
@@ -26,7 +38,10 @@
  * Locking rules:
  *	- Installing or removing a guard checks ownership first, then takes
  *	  ShareRowExclusiveLock on the table (what CREATE/DROP TRIGGER take
- *	  anyway), held to the end of the transaction.
+ *	  anyway), held to the end of the transaction.  Installing on a
+ *	  partitioned table takes the same lock on all its partitions (as
+ *	  CREATE TRIGGER does) before looking at their triggers; pg_trigger is
+ *	  read with AccessShareLock.
  *	- The triggers take no locks of their own; the UPDATE that fires them
  *	  holds the row.  Only when describing a row in a message is the primary
  *	  key index opened, with AccessShareLock.
@@ -50,7 +65,9 @@
 #include "catalog/namespace.h"
 #include "catalog/objectaddress.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_inherits.h"
 #include "catalog/pg_operator.h"
+#include "catalog/pg_trigger.h"
 #include "catalog/pg_type.h"
 #include "commands/trigger.h"
 #include "access/stratnum.h"
@@ -58,11 +75,13 @@
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
+#include "lib/ilist.h"
 #include "miscadmin.h"
 #include "nodes/bitmapset.h"
 #include "storage/lmgr.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
+#include "utils/fmgroids.h"
 #include "utils/fmgrprotos.h"
 #include "utils/guc.h"
 #include "utils/hsearch.h"
@@ -70,9 +89,11 @@
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/numeric.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
+#include "utils/typcache.h"
 
 /*---- version shims ----*/
 
@@ -135,15 +156,46 @@ typedef enum GuardKind
 	GUARD_TRANSITIONS
 } GuardKind;
 
+/*
+ * How the states of one state column are parsed and compared: with the
+ * column type's input function (so a domain's checks and a char(n)'s
+ * padding apply) and the default equality operator of its base type, under
+ * the column's collation.  Never by output text: 'pending' and 'pending   '
+ * are one char(10) state, 't' and 'true' one boolean.
+ */
+typedef struct StateType
+{
+	Oid			typid;			/* column type, possibly a domain */
+	int32		typmod;
+	Oid			collation;
+	Oid			typinput;
+	Oid			typioparam;
+	FmgrInfo	eqfn;			/* equality of the base type */
+} StateType;
+
+/* A transition map, its states parsed into values of the state column. */
+typedef struct StateMap
+{
+	int			nstates;		/* number of source states */
+	Datum	   *from;			/* each source state */
+	int		   *ntargets;
+	Datum	  **targets;		/* the states each source may move to */
+} StateMap;
+
 /* What a guard trigger needs per statement, cached in flinfo->fn_extra. */
 typedef struct GuardTrigState
 {
 	Oid			tgoid;			/* trigger this was built for */
+	MemoryContext cxt;			/* holds what the map needs */
 	AttrNumber	attnum;			/* guarded column in tg_relation */
 	Oid			typid;			/* its base type */
 	bool		raise;			/* mode 'error' rather than 'skip' */
-	FmgrInfo	outfn;			/* output function of typid */
-	Jsonb	   *transitions;	/* transition map (transition guard only) */
+	FmgrInfo	outfn;			/* output function, for messages */
+	/* transition guard only */
+	StateType	stt;
+	StateMap   *map;
+	AttrNumber	verattnum;		/* the table's version guard column, or 0 */
+	Oid			vertypid;		/* its base type */
 } GuardTrigState;
 
 
@@ -229,6 +281,60 @@ version_cmp(Oid typid, Datum a, Datum b)
 			elog(ERROR, "unsupported version type %u", typid);
 	}
 	return 0;					/* keep compiler quiet */
+}
+
+/*
+ * Is v usable as a new version?  NaN sorts above every number and infinity
+ * above every finite value, so either would block every later update for
+ * good; -infinity goes with them, so that a version is simply a finite value.
+ */
+static bool
+version_finite(Oid typid, Datum v)
+{
+	switch (typid)
+	{
+		case NUMERICOID:
+			return !numeric_is_nan(DatumGetNumeric(v)) &&
+				!numeric_is_inf(DatumGetNumeric(v));
+		case TIMESTAMPOID:
+		case TIMESTAMPTZOID:
+			return !TIMESTAMP_NOT_FINITE(DatumGetTimestamp(v));
+		default:
+			return true;
+	}
+}
+
+/* Raise 22023 unless v (non-null, of base type typid) is finite. */
+static void
+check_version_finite(Oid typid, Datum v, const char *colname, const char *relname)
+{
+	Oid			outfn;
+	bool		isvarlena;
+
+	if (version_finite(typid, v))
+		return;
+	getTypeOutputInfo(typid, &outfn, &isvarlena);
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("new value of version column \"%s\" of relation \"%s\" is not finite",
+					colname, relname),
+			 errdetail("A version must be a finite value, not %s.",
+					   OidOutputFunctionCall(outfn, v))));
+}
+
+/*
+ * Does a new version (non-null, finite) raise the stored one?  A stored NULL
+ * or NaN (written before the guard, or by INSERT, which is not guarded) is
+ * no version yet: any version raises it.
+ */
+static bool
+version_raised(Oid typid, Datum newv, Datum oldv, bool oldnull)
+{
+	if (oldnull)
+		return true;
+	if (typid == NUMERICOID && numeric_is_nan(DatumGetNumeric(oldv)))
+		return true;
+	return version_cmp(typid, newv, oldv) > 0;
 }
 
 /* "stored - incoming" as text, for the log line of a skip. */
@@ -320,15 +426,48 @@ parse_mode(const char *mode, const char *argname)
 	return false;				/* keep compiler quiet */
 }
 
-/* Raise 22023 unless the state column can hold the value state. */
+/*
+ * Set up stt for a state column of type typid: its input function and the
+ * default equality of its base type.  A type without one cannot be a state
+ * column: 42883, as PostgreSQL says for DISTINCT on such a type.
+ */
 static void
-check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
+state_type_init(StateType *stt, Oid typid, int32 typmod, Oid collation,
+				const char *colname, MemoryContext cxt)
+{
+	TypeCacheEntry *tc = lookup_type_cache(getBaseType(typid), TYPECACHE_EQ_OPR_FINFO);
+
+	if (!OidIsValid(tc->eq_opr) || !OidIsValid(tc->eq_opr_finfo.fn_oid))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_FUNCTION),
+				 errmsg("could not identify an equality operator for type %s",
+						format_type_be(typid)),
+				 errdetail("A transition guard compares the states of column \"%s\" with the default equality operator of its type.",
+						   colname)));
+	stt->typid = typid;
+	stt->typmod = typmod;
+	stt->collation = collation;
+	getTypeInputInfo(typid, &stt->typinput, &stt->typioparam);
+	fmgr_info_copy(&stt->eqfn, &tc->eq_opr_finfo, cxt);
+}
+
+static bool
+state_eq(StateType *stt, Datum a, Datum b)
+{
+	return DatumGetBool(FunctionCall2Coll(&stt->eqfn, stt->collation, a, b));
+}
+
+/* The value of a state named in the map; 22023 if the column cannot hold it. */
+static Datum
+state_parse(StateType *stt, const char *state)
 {
 	MemoryContext oldcxt = CurrentMemoryContext;
+	Datum		result = (Datum) 0;
 
 	PG_TRY();
 	{
-		(void) OidInputFunctionCall(typinput, (char *) state, typioparam, typmod);
+		result = OidInputFunctionCall(stt->typinput, (char *) state,
+									  stt->typioparam, stt->typmod);
 	}
 	PG_CATCH();
 	{
@@ -344,22 +483,24 @@ check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
 				 errdetail_internal("%s", edata->message)));
 	}
 	PG_END_TRY();
+	return result;
 }
 
 /*
- * Check a transitions map: a non-empty JSON object whose values are arrays
- * of strings.  If typinput is valid, each state must also be accepted by the
- * state column's input function (e.g. be a label of its enum).
+ * Check a transitions map -- a non-empty JSON object whose values are arrays
+ * of strings -- and parse each state with stt.  The map is built in the
+ * current memory context.
  */
-static void
-transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
+static StateMap *
+statemap_build(Jsonb *jb, StateType *stt)
 {
 	JsonbIterator *it;
 	JsonbValue	v;
 	JsonbIteratorToken tok;
 	int			depth = 0;
-	int			nstates = 0;
+	int			cap = 0;
 	char	   *key = NULL;
+	StateMap   *m = palloc0(sizeof(StateMap));
 
 	if (JB_ROOT_IS_SCALAR(jb) || !JB_ROOT_IS_OBJECT(jb))
 		ereport(ERROR,
@@ -381,9 +522,17 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 				break;
 			case WJB_KEY:
 				key = pnstrdup(v.val.string.val, v.val.string.len);
-				nstates++;
-				if (OidIsValid(typinput))
-					check_state_value(key, typinput, typioparam, typmod);
+				if (m->nstates == cap)
+				{
+					cap = cap ? cap * 2 : 8;
+					m->from = m->from ? repalloc(m->from, cap * sizeof(Datum)) : palloc(cap * sizeof(Datum));
+					m->ntargets = m->ntargets ? repalloc(m->ntargets, cap * sizeof(int)) : palloc(cap * sizeof(int));
+					m->targets = m->targets ? repalloc(m->targets, cap * sizeof(Datum *)) : palloc(cap * sizeof(Datum *));
+				}
+				m->from[m->nstates] = state_parse(stt, key);
+				m->ntargets[m->nstates] = 0;
+				m->targets[m->nstates] = NULL;
+				m->nstates++;
 				break;
 			case WJB_VALUE:
 				/* a scalar directly under a key */
@@ -396,16 +545,21 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 					ereport(ERROR,
 							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				/* the array's size is known: room for all its targets */
+				m->targets[m->nstates - 1] = palloc((v.val.array.nElems + 1) * sizeof(Datum));
 				depth++;
 				break;
 			case WJB_ELEM:
-				if (v.type != jbvString)
-					ereport(ERROR,
-							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
-				if (OidIsValid(typinput))
-					check_state_value(pnstrdup(v.val.string.val, v.val.string.len),
-									  typinput, typioparam, typmod);
+				{
+					int			i = m->nstates - 1;
+
+					if (v.type != jbvString)
+						ereport(ERROR,
+								(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+								 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+					m->targets[i][m->ntargets[i]++] =
+						state_parse(stt, pnstrdup(v.val.string.val, v.val.string.len));
+				}
 				break;
 			case WJB_END_ARRAY:
 			case WJB_END_OBJECT:
@@ -415,28 +569,65 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 				break;
 		}
 	}
-	if (nstates == 0)
+	if (m->nstates == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("transitions must name at least one state")));
+	return m;
 }
 
-/* Does the map allow from -> to? */
+/*
+ * Does the map allow from -> to?  Two keys of the JSON object may be one
+ * state of the column ("t" and "true" for a boolean), so every source equal
+ * to from is looked at.
+ */
 static bool
-transition_allowed(Jsonb *map, const char *from, const char *to)
+statemap_allows(StateMap *m, StateType *stt, Datum from, Datum to)
 {
-	JsonbValue	k;
-	JsonbValue *targets;
+	int			i,
+				j;
 
-	k.type = jbvString;
-	k.val.string.val = (char *) from;
-	k.val.string.len = strlen(from);
-	targets = findJsonbValueFromContainer(&map->root, JB_FOBJECT, &k);
-	if (targets == NULL || targets->type != jbvBinary)
-		return false;
-	k.val.string.val = (char *) to;
-	k.val.string.len = strlen(to);
-	return findJsonbValueFromContainer(targets->val.binary.data, JB_FARRAY, &k) != NULL;
+	for (i = 0; i < m->nstates; i++)
+	{
+		if (!state_eq(stt, from, m->from[i]))
+			continue;
+		for (j = 0; j < m->ntargets[i]; j++)
+			if (state_eq(stt, to, m->targets[i][j]))
+				return true;
+	}
+	return false;
+}
+
+
+/*
+ * A stored generated column is computed after BEFORE UPDATE triggers fire,
+ * so a guard on it would compare the old value with itself: refuse it.
+ */
+static void
+check_not_generated(char attgenerated, const char *colname, const char *relname)
+{
+	if (attgenerated)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("cannot guard generated column \"%s\" of relation \"%s\"",
+						colname, relname),
+				 errdetail("A generated column gets its new value only after BEFORE UPDATE triggers have fired, so a guard cannot see it."),
+				 errhint("Guard a column that writers set.")));
+}
+
+/* The enabled-or-not guard trigger called name on rel, as the guards make it. */
+static Trigger *
+find_guard_trigger(Relation rel, const char *name)
+{
+	TriggerDesc *trigdesc = rel->trigdesc;
+	int			nargs = strcmp(name, VERSION_TRIGGER_NAME) == 0 ? 2 : 3;
+	int			i;
+
+	for (i = 0; trigdesc && i < trigdesc->numtriggers; i++)
+		if (strcmp(trigdesc->triggers[i].tgname, name) == 0 &&
+			trigdesc->triggers[i].tgnargs == nargs)
+			return &trigdesc->triggers[i];
+	return NULL;
 }
 
 
@@ -453,9 +644,8 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 	Trigger    *tg;
 	GuardTrigState *st = (GuardTrigState *) fcinfo->flinfo->fn_extra;
 	TupleDesc	tupdesc;
-	MemoryContext oldcxt;
+	Form_pg_attribute att;
 	int			attnum;
-	Oid			atttypid;
 	Oid			outfn;
 	bool		isvarlena;
 	int			nargs = (kind == GUARD_VERSION) ? 2 : 3;
@@ -492,32 +682,57 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 				 errmsg("column \"%s\" guarded by trigger \"%s\" does not exist in relation \"%s\"",
 						tg->tgargs[0], tg->tgname, RelationGetRelationName(td->tg_relation)),
 				 errhint("A renamed column needs its guard installed again.")));
-	atttypid = TupleDescAttr(tupdesc, attnum - 1)->atttypid;
+	att = TupleDescAttr(tupdesc, attnum - 1);
+	/* a trigger made by hand or restored from elsewhere: same rules as installing */
+	check_not_generated(att->attgenerated, NameStr(att->attname),
+						RelationGetRelationName(td->tg_relation));
 	if (kind == GUARD_VERSION)
-		check_version_type(atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
+		check_version_type(att->atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
 
-	oldcxt = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
 	if (st == NULL)
-		st = palloc0(sizeof(GuardTrigState));
-	else if (st->transitions)
-		pfree(st->transitions);
+		st = MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(GuardTrigState));
+	else if (st->cxt)
+		MemoryContextDelete(st->cxt);
 	st->tgoid = InvalidOid;		/* not valid until filled in */
+	st->cxt = NULL;
+	st->map = NULL;
+	st->verattnum = InvalidAttrNumber;
 	st->attnum = attnum;
-	st->typid = getBaseType(atttypid);
-	st->transitions = NULL;
-	getTypeOutputInfo(atttypid, &outfn, &isvarlena);
+	st->typid = getBaseType(att->atttypid);
+	getTypeOutputInfo(att->atttypid, &outfn, &isvarlena);
 	fmgr_info_cxt(outfn, &st->outfn, fcinfo->flinfo->fn_mcxt);
 	if (kind == GUARD_VERSION)
 		st->raise = parse_mode(tg->tgargs[1], "on_stale");
 	else
 	{
+		Trigger    *vtg = find_guard_trigger(td->tg_relation, VERSION_TRIGGER_NAME);
+		MemoryContext oldcxt;
+
 		st->raise = parse_mode(tg->tgargs[2], "on_invalid");
-		st->transitions = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
-															 CStringGetDatum(tg->tgargs[1])));
+		/* the map's values live as long as this state, in a context of their own */
+		st->cxt = AllocSetContextCreate(fcinfo->flinfo->fn_mcxt, "idempotency transition map",
+										ALLOCSET_SMALL_SIZES);
+		oldcxt = MemoryContextSwitchTo(st->cxt);
+		state_type_init(&st->stt, att->atttypid, att->atttypmod, att->attcollation,
+						NameStr(att->attname), st->cxt);
+		st->map = statemap_build(DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
+																	CStringGetDatum(tg->tgargs[1]))),
+								 &st->stt);
+		MemoryContextSwitchTo(oldcxt);
+
+		/* with a version guard beside it, the version tells a repeat from news */
+		if (vtg != NULL && vtg->tgenabled != TRIGGER_DISABLED)
+		{
+			int			vatt = SPI_fnumber(tupdesc, vtg->tgargs[0]);
+
+			if (vatt > 0 &&
+				version_type_ok(getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid)))
+			{
+				st->verattnum = vatt;
+				st->vertypid = getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid);
+			}
+		}
 	}
-	MemoryContextSwitchTo(oldcxt);
-	if (kind == GUARD_TRANSITIONS)
-		transitions_validate(st->transitions, InvalidOid, InvalidOid, -1);
 	fcinfo->flinfo->fn_extra = st;
 	st->tgoid = tg->tgoid;
 	return st;
@@ -550,10 +765,12 @@ idem_version_guard(PG_FUNCTION_ARGS)
 						NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
 						RelationGetRelationName(rel)),
 				 errdetail("A version-guarded table needs a version on every update.")));
+	check_version_finite(st->typid, newv,
+						 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+						 RelationGetRelationName(rel));
 	oldv = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
 
-	/* a row without a version yet takes any version */
-	if (oldnull || version_cmp(st->typid, newv, oldv) > 0)
+	if (version_raised(st->typid, newv, oldv, oldnull))
 		return PointerGetDatum(newtup);
 
 	/* stale or equal: leave the row as it is, or refuse */
@@ -615,8 +832,6 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 				newd;
 	bool		oldnull,
 				newnull;
-	char	   *oldtxt = NULL;
-	char	   *newtxt = NULL;
 	int			elevel;
 	char	   *key;
 	StringInfoData detail;
@@ -628,28 +843,43 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 
 	oldd = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
 	newd = heap_getattr(newtup, st->attnum, tupdesc, &newnull);
-	if (!oldnull)
-		oldtxt = OutputFunctionCall(&st->outfn, oldd);
-	if (!newnull)
-		newtxt = OutputFunctionCall(&st->outfn, newd);
 
-	/* the state it already has: an applied transition, keep the whole row */
+	/* the state it already has */
 	if ((oldnull && newnull) ||
-		(!oldnull && !newnull && strcmp(oldtxt, newtxt) == 0))
+		(!oldnull && !newnull && state_eq(&st->stt, oldd, newd)))
 	{
+		/*
+		 * Beside a version guard, an update that raises the version is news
+		 * (a newer snapshot in the same state): let it through.  Otherwise it
+		 * is a repeat of an applied transition: keep the whole row.
+		 */
+		if (st->verattnum != InvalidAttrNumber)
+		{
+			Datum		oldv,
+						newv;
+			bool		oldvnull,
+						newvnull;
+
+			newv = heap_getattr(newtup, st->verattnum, tupdesc, &newvnull);
+			oldv = heap_getattr(oldtup, st->verattnum, tupdesc, &oldvnull);
+			if (!newvnull && version_finite(st->vertypid, newv) &&
+				version_raised(st->vertypid, newv, oldv, oldvnull))
+				return PointerGetDatum(newtup);
+		}
 		guard_counters.already_applied++;
 		if (message_level_is_interesting(guard_log_level))
 			ereport(guard_log_level,
 					(errmsg("skipped already-applied transition of relation \"%s\" to state %s",
 							RelationGetRelationName(rel),
-							newnull ? "NULL" : quote_literal_cstr(newtxt))));
+							newnull ? "NULL" :
+							quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)))));
 		return PointerGetDatum(NULL);
 	}
 
 	/* a row without a state yet may take any state */
 	if (oldnull)
 		return PointerGetDatum(newtup);
-	if (!newnull && transition_allowed(st->transitions, oldtxt, newtxt))
+	if (!newnull && statemap_allows(st->map, &st->stt, oldd, newd))
 		return PointerGetDatum(newtup);
 
 	if (st->raise)
@@ -671,8 +901,8 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 		appendStringInfo(&detail, "Key %s. ", key);
 	appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from %s to %s.",
 					 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
-					 quote_literal_cstr(oldtxt),
-					 newnull ? "NULL" : quote_literal_cstr(newtxt));
+					 quote_literal_cstr(OutputFunctionCall(&st->outfn, oldd)),
+					 newnull ? "NULL" : quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)));
 	ereport(elevel,
 			(errcode(elevel >= ERROR ? ERRCODE_IDEM_INVALID_TRANSITION : ERRCODE_SUCCESSFUL_COMPLETION),
 			 elevel >= ERROR ?
@@ -741,6 +971,7 @@ guard_column(Oid relid, const char *colname)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("cannot guard system column \"%s\"", colname)));
+	check_not_generated(get_attgenerated(relid, attnum), colname, get_rel_name(relid));
 	return attnum;
 }
 
@@ -749,6 +980,93 @@ qualified_relname(Oid relid)
 {
 	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
 									  get_rel_name(relid));
+}
+
+/* The relation and parent trigger of trigger tgoid (InvalidOid: none). */
+static void
+trigger_lookup(Oid tgoid, Oid *tgrelid, Oid *tgparentid)
+{
+	Relation	tgrel = table_open(TriggerRelationId, AccessShareLock);
+	ScanKeyData skey;
+	SysScanDesc scan;
+	HeapTuple	tup;
+
+	ScanKeyInit(&skey, Anum_pg_trigger_oid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(tgoid));
+	scan = systable_beginscan(tgrel, TriggerOidIndexId, true, NULL, 1, &skey);
+	tup = systable_getnext(scan);
+	if (!HeapTupleIsValid(tup))
+		elog(ERROR, "could not find trigger %u", tgoid);
+	*tgrelid = ((Form_pg_trigger) GETSTRUCT(tup))->tgrelid;
+	*tgparentid = ((Form_pg_trigger) GETSTRUCT(tup))->tgparentid;
+	systable_endscan(scan);
+	table_close(tgrel, AccessShareLock);
+}
+
+/*
+ * If relid's guard trigger tgname is a clone of a partitioned table's guard,
+ * the partitioned table it was installed on; else InvalidOid.
+ */
+static Oid
+guard_inherited_from(Oid relid, const char *tgname)
+{
+	Oid			tgoid = get_trigger_oid(relid, tgname, true);
+	Oid			tgrelid = InvalidOid,
+				parentid = InvalidOid;
+
+	if (!OidIsValid(tgoid))
+		return InvalidOid;
+	trigger_lookup(tgoid, &tgrelid, &parentid);
+	if (!OidIsValid(parentid))
+		return InvalidOid;
+	/* up to the top of the chain */
+	while (OidIsValid(parentid))
+		trigger_lookup(parentid, &tgrelid, &parentid);
+	return tgrelid;
+}
+
+/*
+ * A guard installed on a partitioned table is cloned onto every partition
+ * under the same trigger name, and PostgreSQL keeps the clones tied to it.
+ * So a partition whose guard is such a clone cannot have it replaced on its
+ * own, and a partitioned table cannot take a guard while one of its
+ * partitions has a guard of that kind of its own.  Say so plainly rather
+ * than let DROP/CREATE TRIGGER fail on a dependency.  Called with the table
+ * locked; this locks its partitions, as CREATE TRIGGER would.
+ */
+static void
+check_guard_partitions(Oid relid, const char *tgname, const char *what)
+{
+	Oid			owner = guard_inherited_from(relid, tgname);
+
+	if (OidIsValid(owner))
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("cannot install a %s guard on partition \"%s\"", what, get_rel_name(relid)),
+				 errdetail("The partition has the %s guard of partitioned table \"%s\", which applies to all of its partitions.",
+						   what, get_rel_name(owner)),
+				 errhint("Change the guard of \"%s\" instead.", get_rel_name(owner))));
+
+	if (get_rel_relkind(relid) == RELKIND_PARTITIONED_TABLE)
+	{
+		List	   *parts = find_all_inheritors(relid, ShareRowExclusiveLock, NULL);
+		ListCell   *lc;
+
+		foreach(lc, parts)
+		{
+			Oid			part = lfirst_oid(lc);
+
+			if (part != relid && OidIsValid(get_trigger_oid(part, tgname, true)) &&
+				!OidIsValid(guard_inherited_from(part, tgname)))
+				ereport(ERROR,
+						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+						 errmsg("cannot install a %s guard on partitioned table \"%s\"",
+								what, get_rel_name(relid)),
+						 errdetail("Its partition \"%s\" has a %s guard of its own.",
+								   get_rel_name(part), what),
+						 errhint("Remove that guard first with idem_unguard().")));
+		}
+	}
 }
 
 /* Drop the named guard trigger if it exists. Caller is connected to SPI. */
@@ -802,6 +1120,7 @@ idem_guard_version(PG_FUNCTION_ARGS)
 	guard_target_check(relid);
 	attnum = guard_column(relid, colname);
 	check_version_type(get_atttype(relid, attnum), colname, relid);
+	check_guard_partitions(relid, VERSION_TRIGGER_NAME, "version");
 
 	SPI_connect();
 	create_guard_trigger(relid, VERSION_TRIGGER_NAME, NULL, VERSION_TRIGGER_FUNC,
@@ -826,8 +1145,7 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	Oid			atttypid;
 	int32		atttypmod;
 	Oid			attcoll;
-	Oid			typinput;
-	Oid			typioparam;
+	StateType	stt;
 	char	   *maptext;
 
 	check_not_null(fcinfo, 0, "target");
@@ -843,9 +1161,11 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	guard_target_check(relid);
 	attnum = guard_column(relid, colname);
 	get_atttypetypmodcoll(relid, attnum, &atttypid, &atttypmod, &attcoll);
-	getTypeInputInfo(atttypid, &typinput, &typioparam);
+	/* states are compared by the type's equality, so it must have one */
+	state_type_init(&stt, atttypid, atttypmod, attcoll, colname, CurrentMemoryContext);
 	/* every state named must be a value the column can hold */
-	transitions_validate(map, typinput, typioparam, atttypmod);
+	(void) statemap_build(map, &stt);
+	check_guard_partitions(relid, TRANSITION_TRIGGER_NAME, "transition");
 
 	maptext = JsonbToCString(NULL, &map->root, VARSIZE(map));
 	SPI_connect();
@@ -857,19 +1177,51 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
-/* idem_unguard(target regclass): remove both guards, if present */
+/*
+ * idem_unguard(target regclass): remove both guards, if present.  On a
+ * partition, guards inherited from its partitioned table stay: they can only
+ * be removed there.
+ */
 Datum
 idem_unguard(PG_FUNCTION_ARGS)
 {
+	static const char *const names[] = {VERSION_TRIGGER_NAME, TRANSITION_TRIGGER_NAME};
+	static const char *const kinds[] = {"version", "transition"};
 	Oid			relid;
+	Oid			owner = InvalidOid;
+	const char *kind = NULL;
+	bool		dropped = false;
+	int			i;
 
 	check_not_null(fcinfo, 0, "target");
 	relid = PG_GETARG_OID(0);
 	guard_target_check(relid);
 	SPI_connect();
-	drop_guard_trigger(relid, VERSION_TRIGGER_NAME);
-	drop_guard_trigger(relid, TRANSITION_TRIGGER_NAME);
+	for (i = 0; i < 2; i++)
+	{
+		Oid			from = guard_inherited_from(relid, names[i]);
+
+		if (OidIsValid(from))
+		{
+			owner = from;
+			kind = kinds[i];
+		}
+		else if (OidIsValid(get_trigger_oid(relid, names[i], true)))
+		{
+			drop_guard_trigger(relid, names[i]);
+			dropped = true;
+		}
+	}
 	SPI_finish();
+	if (OidIsValid(owner))
+		ereport(dropped ? NOTICE : ERROR,
+				(errcode(dropped ? ERRCODE_SUCCESSFUL_COMPLETION : ERRCODE_FEATURE_NOT_SUPPORTED),
+				 dropped ?
+				 errmsg("the %s guard of partition \"%s\" stays", kind, get_rel_name(relid)) :
+				 errmsg("cannot remove the %s guard of partition \"%s\"", kind, get_rel_name(relid)),
+				 errdetail("The partition has the %s guard of partitioned table \"%s\", which applies to all of its partitions.",
+						   kind, get_rel_name(owner)),
+				 errhint("Remove the guard of \"%s\" instead.", get_rel_name(owner))));
 	PG_RETURN_VOID();
 }
 
