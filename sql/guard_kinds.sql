@@ -1,6 +1,6 @@
--- Guards on every kind of column: state columns of every type with an
--- equality, generated columns, non-finite versions, partitions of guarded
--- tables, tables with both guards.
+-- Guards and helpers on every kind of column: identity keys, state columns
+-- of every type with an equality, generated columns, non-finite versions,
+-- partitions of guarded tables.
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 RESET client_min_messages;
@@ -9,6 +9,44 @@ SET search_path = guard_k, public;
 SET idempotency.guard_log_level = notice;
 
 \i sql/include/try.sql
+
+---- idem_upsert on a GENERATED ALWAYS AS IDENTITY primary key: the row's key is used ----
+CREATE TABLE ident_items (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, name text, version int);
+SELECT idem_upsert(ROW(1, 'a', 1)::ident_items);      -- inserted, as id 1
+SELECT idem_upsert(ROW(1, 'b', 2)::ident_items);      -- updated
+SELECT idem_upsert(ROW(1, 'c', 2)::ident_items);      -- stale
+SELECT idem_upsert(ROW(7, 'x', 1)::ident_items);      -- inserted, as id 7
+SELECT * FROM ident_items ORDER BY id;
+-- a composite key with an identity part, and a non-key identity column
+-- (GENERATED ALWAYS, not in the key: still the table's own value)
+CREATE TABLE ident_parts (region int, id bigint GENERATED ALWAYS AS IDENTITY,
+                          seq int GENERATED ALWAYS AS IDENTITY (START 100),
+                          version int, PRIMARY KEY (region, id));
+SELECT idem_upsert(ROW(1, 5, 0, 1)::ident_parts), idem_upsert(ROW(1, 5, 0, 2)::ident_parts),
+       idem_upsert(ROW(2, 5, 0, 1)::ident_parts);
+SELECT * FROM ident_parts ORDER BY region, id;
+
+---- idem_upsert on a table with a transition guard ----
+CREATE TYPE order_state AS ENUM ('pending', 'dispatched', 'delivered');
+CREATE TABLE orders (id int PRIMARY KEY, state order_state, note text, version int);
+SELECT idem_guard_transitions('orders', 'state', '{"pending": ["dispatched"], "dispatched": ["delivered"]}');
+SELECT idem_upsert(ROW(1, 'pending', 'created', 1)::orders);         -- inserted
+SELECT idem_upsert(ROW(1, 'pending', 'address fixed', 2)::orders);   -- newer, same state: updated
+SELECT idem_upsert(ROW(1, 'pending', 'replayed', 2)::orders);        -- equal version: stale
+SELECT idem_upsert(ROW(1, 'dispatched', 'sent', 3)::orders);         -- along an edge: updated
+SELECT idem_upsert(ROW(1, 'pending', 'back?', 4)::orders);           -- not an edge: not applied
+SELECT idem_upsert(ROW(1, 'dispatched', 'tracking no.', 5)::orders); -- newer, same state: updated
+SELECT idem_upsert(ROW(1, 'delivered', 'old news', 4)::orders);      -- older: stale
+SELECT * FROM orders;
+-- a NULL state is a state like any other: newer NULL-state rows apply
+SELECT idem_upsert(ROW(2, NULL, 'draft', 1)::orders), idem_upsert(ROW(2, NULL, 'draft 2', 2)::orders),
+       idem_upsert(ROW(2, 'pending', 'placed', 3)::orders);
+SELECT * FROM orders WHERE id = 2;
+-- 'error' mode: a refused move raises IK005, a newer row in the same state does not
+SELECT idem_guard_transitions('orders', 'state', '{"pending": ["dispatched"], "dispatched": ["delivered"]}', 'error');
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'pending', 'back?', 6)::orders)$$);
+SELECT idem_upsert(ROW(1, 'dispatched', 'tracking no. 2', 6)::orders);
+SELECT * FROM orders WHERE id = 1;
 
 ---- a table with both guards: the version says what is new, the map which moves are allowed ----
 CREATE TABLE tickets (id int PRIMARY KEY, status text NOT NULL, note text, version int NOT NULL);
@@ -24,7 +62,11 @@ UPDATE tickets SET status = 'open', note = 'older', version = 1 RETURNING *;
 -- a move along an edge that does not raise the version: stale
 UPDATE tickets SET status = 'closed', note = 'stale close', version = 2 RETURNING *;
 UPDATE tickets SET status = 'closed', note = 'closed', version = 3 RETURNING *;
+SELECT idem_upsert(ROW(1, 'closed', 'closed, newer', 4)::tickets);
+SELECT idem_upsert(ROW(1, 'closed', 'closed, again', 4)::tickets);
 SELECT * FROM tickets;
+-- idem_transition sets no version: refused on such a table
+SELECT pg_temp.try($$SELECT idem_transition('tickets', 1, 'open')$$);
 
 ---- state columns of every type with an equality: compared as values ----
 CREATE DOMAIN ticket_status AS text CHECK (VALUE IN ('new', 'done'));
@@ -42,11 +84,13 @@ SELECT idem_guard_transitions('states', 'c', '{"pending": ["done"]}');
 UPDATE states SET c = 'done' RETURNING c;
 UPDATE states SET c = 'done  ' RETURNING c;          -- already applied
 UPDATE states SET c = 'pending' RETURNING c;         -- not an edge
+SELECT idem_transition('states', 1, 'done');
 -- boolean: any spelling of a boolean names the state
 SELECT idem_guard_transitions('states', 'b', '{"f": ["true"]}');
 UPDATE states SET b = true RETURNING b;
 UPDATE states SET b = 'yes' RETURNING b;             -- already applied
 UPDATE states SET b = false RETURNING b;             -- not an edge
+SELECT idem_transition('states', 1, 't'), idem_transition('states', 1, 'on');
 -- integer: "02" is 2; two keys naming one state share their targets
 SELECT idem_guard_transitions('states', 'i', '{"1": ["02"], "2": ["3"], "+2": ["5"]}');
 UPDATE states SET i = 2 RETURNING i;
@@ -108,6 +152,11 @@ UPDATE vnum SET version = -99999 WHERE id = 3 RETURNING *;
 UPDATE vnum SET version = 99999 WHERE id = 4 RETURNING *;
 UPDATE vts SET version = '1970-01-01 00:00+00' WHERE id = 2 RETURNING *;
 UPDATE vts SET version = '9999-01-01 00:00+00' WHERE id = 3 RETURNING *;
+-- idem_upsert refuses them too
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'NaN')::vnum)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(9, 'Infinity')::vnum)$$);
+SELECT pg_temp.try($$SELECT idem_upsert(ROW(9, '-infinity')::vts)$$);
+SELECT idem_upsert(ROW(1, 4)::vnum);
 SELECT * FROM vnum ORDER BY id;
 
 ---- partitions of guarded tables ----
