@@ -157,6 +157,12 @@ SELECT pg_temp.try($$SELECT idem_upsert(ROW(1, 'NaN')::vnum)$$);
 SELECT pg_temp.try($$SELECT idem_upsert(ROW(9, 'Infinity')::vnum)$$);
 SELECT pg_temp.try($$SELECT idem_upsert(ROW(9, '-infinity')::vts)$$);
 SELECT idem_upsert(ROW(1, 4)::vnum);
+-- and take any version over a stored NULL or NaN, as the guard does
+INSERT INTO vnum VALUES (5, 'NaN'), (6, NULL);
+CREATE TABLE vnull (id int PRIMARY KEY, version bigint);
+INSERT INTO vnull VALUES (1, NULL);
+SELECT idem_upsert(ROW(5, -1)::vnum), idem_upsert(ROW(6, -1)::vnum), idem_upsert(ROW(1, 1)::vnull);
+SELECT idem_upsert(ROW(5, -1)::vnum), idem_upsert(ROW(6, -2)::vnum), idem_upsert(ROW(1, 1)::vnull);
 SELECT * FROM vnum ORDER BY id;
 
 ---- partitions of guarded tables ----

@@ -1520,7 +1520,7 @@ helper_prepare(const char *sql, int nargs, Oid *argtypes, bool keep)
  *
  *	 INSERT INTO s.t AS t (c1, ...) [OVERRIDING SYSTEM VALUE] SELECT ($1).c1, ...
  *	 ON CONFLICT (pk) DO UPDATE SET c = EXCLUDED.c, ...
- *	 WHERE t.v < EXCLUDED.v AND $2
+ *	 WHERE (t.v < EXCLUDED.v OR t.v IS NULL [OR t.v = 'NaN']) AND $2
  *	 RETURNING 1
  *
  * No row returned means the WHERE rejected the update: stale.  To tell an
@@ -1576,6 +1576,8 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 				 errmsg("column \"%s\" of relation \"%s\" does not exist",
 						vcol, RelationGetRelationName(rel))));
 	check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, key->relid);
+	out->vattnum = vattnum;
+	out->vtypid = getBaseType(TupleDescAttr(tupdesc, vattnum - 1)->atttypid);
 	if (ttg != NULL && ttg->tgenabled != TRIGGER_DISABLED)
 		stateatt = SPI_fnumber(tupdesc, ttg->tgargs[0]);
 
@@ -1628,8 +1630,13 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 	head = psprintf("INSERT INTO %s AS t (%s)%s SELECT %s ON CONFLICT (%s) DO UPDATE SET ",
 					qualified_relname(key->relid), cols.data,
 					override ? " OVERRIDING SYSTEM VALUE" : "", vals.data, conflict.data);
-	vtest = psprintf("t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s",
-					 quote_identifier(vcol), quote_identifier(vcol));
+	/* as in the version guard, a stored NULL or NaN is no version yet */
+	vtest = psprintf("(t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s OR t.%s IS NULL%s%s%s)",
+					 quote_identifier(vcol), quote_identifier(vcol), quote_identifier(vcol),
+					 out->vtypid == NUMERICOID ? " OR t." : "",
+					 out->vtypid == NUMERICOID ? quote_identifier(vcol) : "",
+					 out->vtypid == NUMERICOID ?
+					 " OPERATOR(pg_catalog.=) CAST('NaN' AS pg_catalog.numeric)" : "");
 	argtypes[0] = rowtype;
 	argtypes[1] = BOOLOID;
 	argtypes[2] = BOOLOID;
@@ -1649,8 +1656,6 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 									s, s),
 						   3, argtypes, keep);
 	}
-	out->vattnum = vattnum;
-	out->vtypid = getBaseType(TupleDescAttr(tupdesc, vattnum - 1)->atttypid);
 
 	index_close(idx, AccessShareLock);
 	relation_close(rel, NoLock);
