@@ -57,6 +57,52 @@ SELECT stale_skipped = (
             WHERE version <= before) AS skips_counted
   FROM idempotency.guard_stats();
 
+-- the same stream into a guarded and an unguarded table for every version
+-- type (and a domain): event v of an account carries the version given by
+-- expr (a format() string, %s being v), the naive handler writes each
+-- delivery as it comes
+CREATE DOMAIN posnum AS numeric CHECK (VALUE > 0);
+CREATE FUNCTION converge_versions(typ text, expr text)
+RETURNS TABLE (version_type text, guarded_wrong bigint, guarded_missing bigint, unguarded_diverged boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    g text := 'vg_' || md5(typ);
+    u text := 'vu_' || md5(typ);
+    d record;
+    upsert text := 'INSERT INTO guard_c.%I AS t VALUES ($1, $2, ' || format(expr, '$3') || ')
+                    ON CONFLICT (account) DO UPDATE SET balance = EXCLUDED.balance, version = EXCLUDED.version';
+BEGIN
+    EXECUTE format('CREATE TABLE guard_c.%I (account int PRIMARY KEY, balance text, version %s)', g, typ);
+    EXECUTE format('CREATE TABLE guard_c.%I (account int PRIMARY KEY, balance text, version %s)', u, typ);
+    PERFORM idem_guard_version(format('guard_c.%I', g)::regclass);
+    FOR d IN SELECT * FROM delivery ORDER BY pos LOOP
+        EXECUTE format(upsert, g) USING d.account, d.balance, d.version;
+        EXECUTE format(upsert, u) USING d.account, d.balance, d.version;
+    END LOOP;
+    EXECUTE format('CREATE TEMP VIEW expected_v AS
+                        SELECT DISTINCT ON (account) account, balance, (%s)::%s AS version
+                          FROM guard_c.events ORDER BY account, version DESC', format(expr, 'version'), typ);
+    version_type := typ;
+    EXECUTE format('SELECT count(*) FROM (SELECT * FROM guard_c.%I EXCEPT SELECT * FROM expected_v) x', g)
+        INTO guarded_wrong;
+    EXECUTE format('SELECT count(*) FROM (SELECT * FROM expected_v EXCEPT SELECT * FROM guard_c.%I) x', g)
+        INTO guarded_missing;
+    EXECUTE format('SELECT count(*) > 0 FROM (SELECT * FROM guard_c.%I EXCEPT SELECT * FROM expected_v) x', u)
+        INTO unguarded_diverged;
+    DROP VIEW expected_v;
+    RETURN NEXT;
+END
+$$;
+SELECT c.* FROM (VALUES
+        ('smallint', '(%s)::smallint'),
+        ('integer', '(%s) * 100000'),
+        ('bigint', '(%s) * 1000000000000::bigint'),
+        ('numeric', '(%s) / 8.0'),
+        ('timestamp', $$'2024-01-01 00:00'::timestamp + (%s) * interval '1.5 seconds'$$),
+        ('timestamptz', $$'2024-01-01 00:00+00'::timestamptz + (%s) * interval '1 millisecond'$$),
+        ('posnum', '(%s) / 3.0')) t(typ, expr),
+     LATERAL converge_versions(t.typ, t.expr) c;
+
 ---- transitions ----
 -- 40 orders, each created, dispatched, delivered, in that order per order
 -- (ordering within one aggregate holds), interleaved at random across
@@ -127,6 +173,67 @@ SELECT (SELECT count(*) FROM (SELECT * FROM orders_guarded EXCEPT SELECT * FROM 
        (SELECT count(*) FROM (SELECT * FROM expected_orders EXCEPT SELECT * FROM orders_guarded) x) AS guarded_missing;
 SELECT count(*) > 0 AS unguarded_diverged
   FROM (SELECT * FROM orders_unguarded EXCEPT SELECT * FROM expected_orders) x;
+
+-- the same deliveries for a state column of every type with an equality:
+-- labels are the states in order (a boolean has two: its third event is
+-- not delivered)
+CREATE DOMAIN order_label AS text CHECK (VALUE IN ('pending', 'dispatched', 'delivered'));
+CREATE FUNCTION converge_states(typ text, labels text[])
+RETURNS TABLE (state_type text, guarded_wrong bigint, guarded_missing bigint, unguarded_diverged boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    n int := array_length(labels, 1);
+    g text := 'sg_' || md5(typ);
+    u text := 'su_' || md5(typ);
+    map jsonb;
+    d record;
+    tbl text;
+BEGIN
+    SELECT jsonb_object_agg(labels[i], jsonb_build_array(labels[i + 1])) INTO map
+      FROM generate_series(1, n - 1) i;
+    FOREACH tbl IN ARRAY ARRAY[g, u] LOOP
+        EXECUTE format('CREATE TABLE guard_c.%I (id int PRIMARY KEY, state %s NOT NULL,
+                                                 dispatched_at bigint, delivered_at bigint)', tbl, typ);
+    END LOOP;
+    PERFORM idem_guard_transitions(format('guard_c.%I', g)::regclass, 'state', map);
+    FOR d IN SELECT * FROM order_delivery WHERE step <= n ORDER BY received LOOP
+        FOREACH tbl IN ARRAY ARRAY[g, u] LOOP
+            -- the naive handler of naive_order(), for any state type
+            EXECUTE format('INSERT INTO guard_c.%I AS t (id, state, dispatched_at, delivered_at)
+                            VALUES ($1, CAST($2 AS %s), $3, $4)
+                            ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state%s', tbl, typ,
+                           CASE d.step WHEN 2 THEN ', dispatched_at = EXCLUDED.dispatched_at'
+                                       WHEN 3 THEN ', delivered_at = EXCLUDED.delivered_at' ELSE '' END)
+              USING d.order_id, labels[d.step],
+                    CASE WHEN d.step = 2 THEN d.received END, CASE WHEN d.step = 3 THEN d.received END;
+        END LOOP;
+    END LOOP;
+    EXECUTE format('CREATE TEMP VIEW expected_s AS
+                        SELECT order_id AS id, CAST(%L AS %s) AS state,
+                               min(received) FILTER (WHERE step = 2) AS dispatched_at,
+                               min(received) FILTER (WHERE step = 3) AS delivered_at
+                          FROM guard_c.order_delivery WHERE step <= %s GROUP BY order_id',
+                   labels[n], typ, n);
+    state_type := typ;
+    EXECUTE format('SELECT count(*) FROM (SELECT * FROM guard_c.%I EXCEPT SELECT * FROM expected_s) x', g)
+        INTO guarded_wrong;
+    EXECUTE format('SELECT count(*) FROM (SELECT * FROM expected_s EXCEPT SELECT * FROM guard_c.%I) x', g)
+        INTO guarded_missing;
+    EXECUTE format('SELECT count(*) > 0 FROM (SELECT * FROM guard_c.%I EXCEPT SELECT * FROM expected_s) x', u)
+        INTO unguarded_diverged;
+    DROP VIEW expected_s;
+    RETURN NEXT;
+END
+$$;
+SELECT c.* FROM (VALUES
+        ('text', '{pending,dispatched,delivered}'::text[]),
+        ('varchar(20)', '{pending,dispatched,delivered}'),
+        ('char(12)', '{pending,dispatched,delivered}'),
+        ('guard_c.order_state', '{pending,dispatched,delivered}'),
+        ('boolean', '{false,true}'),
+        ('integer', '{10,20,30}'),
+        ('guard_c.order_label', '{pending,dispatched,delivered}')) t(typ, labels),
+     LATERAL converge_states(t.typ, t.labels) c;
 
 RESET search_path;
 SET client_min_messages = warning;

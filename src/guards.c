@@ -14,26 +14,46 @@
  * CREATE TRIGGER of a user table and pg_restore brings it back unchanged.
  * The trigger returns NULL to leave the row as it was ("skip"), which also
  * works in the DO UPDATE arm of INSERT ... ON CONFLICT, or raises IK004 /
- * IK005 ("error").  Trigger state (column number, parsed transitions) is
- * cached in the trigger's FmgrInfo for the life of one statement.
+ * IK005 ("error").  Trigger state (column number, the transition map parsed
+ * into values of the state column) is cached in the trigger's FmgrInfo for
+ * the life of one statement.
+ *
+ * Column rules: a version must be a finite value (NULL: 22004; NaN and
+ * +/-infinity: 22023); a stored NULL or NaN is no version yet.  States are
+ * parsed with the column type's input function and compared with its
+ * default equality operator, never as text, so char(n), booleans, integers,
+ * enums and domains behave as their values.  Generated columns cannot be
+ * guarded (BEFORE triggers do not see their new values).  On a table with
+ * both guards, an update that names the state column with the row's state
+ * and raises the version is applied: the version tells a newer snapshot
+ * from a redelivery.  A partition's guard cloned from its partitioned table
+ * can only be changed there.
  *
  * idem_upsert() and idem_transition() run ordinary SQL through SPI as the
  * calling role: no SECURITY DEFINER anywhere, so privileges, RLS and the
  * guards themselves apply exactly as for hand-written statements.  Their
- * plans are prepared once per table and kept in a backend-local hash that a
- * relcache callback invalidates when the table changes.
+ * plans are prepared once per table and kept in backend-local caches of at
+ * most GUARD_PLAN_CACHE_SIZE tables each, least recently used evicted, that
+ * a relcache callback invalidates when a table changes; an entry in use by
+ * a running call is never freed.
  *
  * Locking rules:
  *	- Installing or removing a guard checks ownership first, then takes
  *	  ShareRowExclusiveLock on the table (what CREATE/DROP TRIGGER take
- *	  anyway), held to the end of the transaction.
+ *	  anyway), held to the end of the transaction.  Installing on a
+ *	  partitioned table takes the same lock on all its partitions (as
+ *	  CREATE TRIGGER does) before looking at their triggers; pg_trigger is
+ *	  read with AccessShareLock.
  *	- The triggers take no locks of their own; the UPDATE that fires them
  *	  holds the row.  Only when describing a row in a message is the primary
  *	  key index opened, with AccessShareLock.
  *	- idem_upsert() / idem_transition() take AccessShareLock on the table
  *	  while (re)building a plan; executing takes what the statements take
  *	  (RowExclusiveLock; idem_transition locks the row FOR UPDATE before it
- *	  updates it, so its read and its write see the same row version).
+ *	  updates it, so its read and its write see the same row version; on a
+ *	  table with a transition guard, idem_upsert's first statement leaves
+ *	  the conflicting row locked when it declines to update it, so the
+ *	  second statement sees the same row version).
  *
  * Counters are per backend (guard_counters below, exposed through
  * idempotency.guard_stats()); no shared memory is used here.
@@ -50,7 +70,9 @@
 #include "catalog/namespace.h"
 #include "catalog/objectaddress.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_inherits.h"
 #include "catalog/pg_operator.h"
+#include "catalog/pg_trigger.h"
 #include "catalog/pg_type.h"
 #include "commands/trigger.h"
 #include "access/stratnum.h"
@@ -58,11 +80,13 @@
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
+#include "lib/ilist.h"
 #include "miscadmin.h"
 #include "nodes/bitmapset.h"
 #include "storage/lmgr.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
+#include "utils/fmgroids.h"
 #include "utils/fmgrprotos.h"
 #include "utils/guc.h"
 #include "utils/hsearch.h"
@@ -70,9 +94,11 @@
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/numeric.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
+#include "utils/typcache.h"
 
 /*---- version shims ----*/
 
@@ -135,15 +161,46 @@ typedef enum GuardKind
 	GUARD_TRANSITIONS
 } GuardKind;
 
+/*
+ * How the states of one state column are parsed and compared: with the
+ * column type's input function (so a domain's checks and a char(n)'s
+ * padding apply) and the default equality operator of its base type, under
+ * the column's collation.  Never by output text: 'pending' and 'pending   '
+ * are one char(10) state, 't' and 'true' one boolean.
+ */
+typedef struct StateType
+{
+	Oid			typid;			/* column type, possibly a domain */
+	int32		typmod;
+	Oid			collation;
+	Oid			typinput;
+	Oid			typioparam;
+	FmgrInfo	eqfn;			/* equality of the base type */
+} StateType;
+
+/* A transition map, its states parsed into values of the state column. */
+typedef struct StateMap
+{
+	int			nstates;		/* number of source states */
+	Datum	   *from;			/* each source state */
+	int		   *ntargets;
+	Datum	  **targets;		/* the states each source may move to */
+} StateMap;
+
 /* What a guard trigger needs per statement, cached in flinfo->fn_extra. */
 typedef struct GuardTrigState
 {
 	Oid			tgoid;			/* trigger this was built for */
+	MemoryContext cxt;			/* holds what the map needs */
 	AttrNumber	attnum;			/* guarded column in tg_relation */
 	Oid			typid;			/* its base type */
 	bool		raise;			/* mode 'error' rather than 'skip' */
-	FmgrInfo	outfn;			/* output function of typid */
-	Jsonb	   *transitions;	/* transition map (transition guard only) */
+	FmgrInfo	outfn;			/* output function, for messages */
+	/* transition guard only */
+	StateType	stt;
+	StateMap   *map;
+	AttrNumber	verattnum;		/* the table's version guard column, or 0 */
+	Oid			vertypid;		/* its base type */
 } GuardTrigState;
 
 
@@ -229,6 +286,60 @@ version_cmp(Oid typid, Datum a, Datum b)
 			elog(ERROR, "unsupported version type %u", typid);
 	}
 	return 0;					/* keep compiler quiet */
+}
+
+/*
+ * Is v usable as a new version?  NaN sorts above every number and infinity
+ * above every finite value, so either would block every later update for
+ * good; -infinity goes with them, so that a version is simply a finite value.
+ */
+static bool
+version_finite(Oid typid, Datum v)
+{
+	switch (typid)
+	{
+		case NUMERICOID:
+			return !numeric_is_nan(DatumGetNumeric(v)) &&
+				!numeric_is_inf(DatumGetNumeric(v));
+		case TIMESTAMPOID:
+		case TIMESTAMPTZOID:
+			return !TIMESTAMP_NOT_FINITE(DatumGetTimestamp(v));
+		default:
+			return true;
+	}
+}
+
+/* Raise 22023 unless v (non-null, of base type typid) is finite. */
+static void
+check_version_finite(Oid typid, Datum v, const char *colname, const char *relname)
+{
+	Oid			outfn;
+	bool		isvarlena;
+
+	if (version_finite(typid, v))
+		return;
+	getTypeOutputInfo(typid, &outfn, &isvarlena);
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("new value of version column \"%s\" of relation \"%s\" is not finite",
+					colname, relname),
+			 errdetail("A version must be a finite value, not %s.",
+					   OidOutputFunctionCall(outfn, v))));
+}
+
+/*
+ * Does a new version (non-null, finite) raise the stored one?  A stored NULL
+ * or NaN (written before the guard, or by INSERT, which is not guarded) is
+ * no version yet: any version raises it.
+ */
+static bool
+version_raised(Oid typid, Datum newv, Datum oldv, bool oldnull)
+{
+	if (oldnull)
+		return true;
+	if (typid == NUMERICOID && numeric_is_nan(DatumGetNumeric(oldv)))
+		return true;
+	return version_cmp(typid, newv, oldv) > 0;
 }
 
 /* "stored - incoming" as text, for the log line of a skip. */
@@ -320,15 +431,48 @@ parse_mode(const char *mode, const char *argname)
 	return false;				/* keep compiler quiet */
 }
 
-/* Raise 22023 unless the state column can hold the value state. */
+/*
+ * Set up stt for a state column of type typid: its input function and the
+ * default equality of its base type.  A type without one cannot be a state
+ * column: 42883, as PostgreSQL says for DISTINCT on such a type.
+ */
 static void
-check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
+state_type_init(StateType *stt, Oid typid, int32 typmod, Oid collation,
+				const char *colname, MemoryContext cxt)
+{
+	TypeCacheEntry *tc = lookup_type_cache(getBaseType(typid), TYPECACHE_EQ_OPR_FINFO);
+
+	if (!OidIsValid(tc->eq_opr) || !OidIsValid(tc->eq_opr_finfo.fn_oid))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_FUNCTION),
+				 errmsg("could not identify an equality operator for type %s",
+						format_type_be(typid)),
+				 errdetail("A transition guard compares the states of column \"%s\" with the default equality operator of its type.",
+						   colname)));
+	stt->typid = typid;
+	stt->typmod = typmod;
+	stt->collation = collation;
+	getTypeInputInfo(typid, &stt->typinput, &stt->typioparam);
+	fmgr_info_copy(&stt->eqfn, &tc->eq_opr_finfo, cxt);
+}
+
+static bool
+state_eq(StateType *stt, Datum a, Datum b)
+{
+	return DatumGetBool(FunctionCall2Coll(&stt->eqfn, stt->collation, a, b));
+}
+
+/* The value of a state named in the map; 22023 if the column cannot hold it. */
+static Datum
+state_parse(StateType *stt, const char *state)
 {
 	MemoryContext oldcxt = CurrentMemoryContext;
+	Datum		result = (Datum) 0;
 
 	PG_TRY();
 	{
-		(void) OidInputFunctionCall(typinput, (char *) state, typioparam, typmod);
+		result = OidInputFunctionCall(stt->typinput, (char *) state,
+									  stt->typioparam, stt->typmod);
 	}
 	PG_CATCH();
 	{
@@ -344,22 +488,24 @@ check_state_value(const char *state, Oid typinput, Oid typioparam, int32 typmod)
 				 errdetail_internal("%s", edata->message)));
 	}
 	PG_END_TRY();
+	return result;
 }
 
 /*
- * Check a transitions map: a non-empty JSON object whose values are arrays
- * of strings.  If typinput is valid, each state must also be accepted by the
- * state column's input function (e.g. be a label of its enum).
+ * Check a transitions map -- a non-empty JSON object whose values are arrays
+ * of strings -- and parse each state with stt.  The map is built in the
+ * current memory context.
  */
-static void
-transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
+static StateMap *
+statemap_build(Jsonb *jb, StateType *stt)
 {
 	JsonbIterator *it;
 	JsonbValue	v;
 	JsonbIteratorToken tok;
 	int			depth = 0;
-	int			nstates = 0;
+	int			cap = 0;
 	char	   *key = NULL;
+	StateMap   *m = palloc0(sizeof(StateMap));
 
 	if (JB_ROOT_IS_SCALAR(jb) || !JB_ROOT_IS_OBJECT(jb))
 		ereport(ERROR,
@@ -381,9 +527,17 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 				break;
 			case WJB_KEY:
 				key = pnstrdup(v.val.string.val, v.val.string.len);
-				nstates++;
-				if (OidIsValid(typinput))
-					check_state_value(key, typinput, typioparam, typmod);
+				if (m->nstates == cap)
+				{
+					cap = cap ? cap * 2 : 8;
+					m->from = m->from ? repalloc(m->from, cap * sizeof(Datum)) : palloc(cap * sizeof(Datum));
+					m->ntargets = m->ntargets ? repalloc(m->ntargets, cap * sizeof(int)) : palloc(cap * sizeof(int));
+					m->targets = m->targets ? repalloc(m->targets, cap * sizeof(Datum *)) : palloc(cap * sizeof(Datum *));
+				}
+				m->from[m->nstates] = state_parse(stt, key);
+				m->ntargets[m->nstates] = 0;
+				m->targets[m->nstates] = NULL;
+				m->nstates++;
 				break;
 			case WJB_VALUE:
 				/* a scalar directly under a key */
@@ -396,16 +550,21 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 					ereport(ERROR,
 							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+				/* the array's size is known: room for all its targets */
+				m->targets[m->nstates - 1] = palloc((v.val.array.nElems + 1) * sizeof(Datum));
 				depth++;
 				break;
 			case WJB_ELEM:
-				if (v.type != jbvString)
-					ereport(ERROR,
-							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-							 errmsg("transitions for state \"%s\" must be an array of strings", key)));
-				if (OidIsValid(typinput))
-					check_state_value(pnstrdup(v.val.string.val, v.val.string.len),
-									  typinput, typioparam, typmod);
+				{
+					int			i = m->nstates - 1;
+
+					if (v.type != jbvString)
+						ereport(ERROR,
+								(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+								 errmsg("transitions for state \"%s\" must be an array of strings", key)));
+					m->targets[i][m->ntargets[i]++] =
+						state_parse(stt, pnstrdup(v.val.string.val, v.val.string.len));
+				}
 				break;
 			case WJB_END_ARRAY:
 			case WJB_END_OBJECT:
@@ -415,28 +574,65 @@ transitions_validate(Jsonb *jb, Oid typinput, Oid typioparam, int32 typmod)
 				break;
 		}
 	}
-	if (nstates == 0)
+	if (m->nstates == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("transitions must name at least one state")));
+	return m;
 }
 
-/* Does the map allow from -> to? */
+/*
+ * Does the map allow from -> to?  Two keys of the JSON object may be one
+ * state of the column ("t" and "true" for a boolean), so every source equal
+ * to from is looked at.
+ */
 static bool
-transition_allowed(Jsonb *map, const char *from, const char *to)
+statemap_allows(StateMap *m, StateType *stt, Datum from, Datum to)
 {
-	JsonbValue	k;
-	JsonbValue *targets;
+	int			i,
+				j;
 
-	k.type = jbvString;
-	k.val.string.val = (char *) from;
-	k.val.string.len = strlen(from);
-	targets = findJsonbValueFromContainer(&map->root, JB_FOBJECT, &k);
-	if (targets == NULL || targets->type != jbvBinary)
-		return false;
-	k.val.string.val = (char *) to;
-	k.val.string.len = strlen(to);
-	return findJsonbValueFromContainer(targets->val.binary.data, JB_FARRAY, &k) != NULL;
+	for (i = 0; i < m->nstates; i++)
+	{
+		if (!state_eq(stt, from, m->from[i]))
+			continue;
+		for (j = 0; j < m->ntargets[i]; j++)
+			if (state_eq(stt, to, m->targets[i][j]))
+				return true;
+	}
+	return false;
+}
+
+
+/*
+ * A stored generated column is computed after BEFORE UPDATE triggers fire,
+ * so a guard on it would compare the old value with itself: refuse it.
+ */
+static void
+check_not_generated(char attgenerated, const char *colname, const char *relname)
+{
+	if (attgenerated)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("cannot guard generated column \"%s\" of relation \"%s\"",
+						colname, relname),
+				 errdetail("A generated column gets its new value only after BEFORE UPDATE triggers have fired, so a guard cannot see it."),
+				 errhint("Guard a column that writers set.")));
+}
+
+/* The enabled-or-not guard trigger called name on rel, as the guards make it. */
+static Trigger *
+find_guard_trigger(Relation rel, const char *name)
+{
+	TriggerDesc *trigdesc = rel->trigdesc;
+	int			nargs = strcmp(name, VERSION_TRIGGER_NAME) == 0 ? 2 : 3;
+	int			i;
+
+	for (i = 0; trigdesc && i < trigdesc->numtriggers; i++)
+		if (strcmp(trigdesc->triggers[i].tgname, name) == 0 &&
+			trigdesc->triggers[i].tgnargs == nargs)
+			return &trigdesc->triggers[i];
+	return NULL;
 }
 
 
@@ -453,9 +649,8 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 	Trigger    *tg;
 	GuardTrigState *st = (GuardTrigState *) fcinfo->flinfo->fn_extra;
 	TupleDesc	tupdesc;
-	MemoryContext oldcxt;
+	Form_pg_attribute att;
 	int			attnum;
-	Oid			atttypid;
 	Oid			outfn;
 	bool		isvarlena;
 	int			nargs = (kind == GUARD_VERSION) ? 2 : 3;
@@ -492,32 +687,57 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 				 errmsg("column \"%s\" guarded by trigger \"%s\" does not exist in relation \"%s\"",
 						tg->tgargs[0], tg->tgname, RelationGetRelationName(td->tg_relation)),
 				 errhint("A renamed column needs its guard installed again.")));
-	atttypid = TupleDescAttr(tupdesc, attnum - 1)->atttypid;
+	att = TupleDescAttr(tupdesc, attnum - 1);
+	/* a trigger made by hand or restored from elsewhere: same rules as installing */
+	check_not_generated(att->attgenerated, NameStr(att->attname),
+						RelationGetRelationName(td->tg_relation));
 	if (kind == GUARD_VERSION)
-		check_version_type(atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
+		check_version_type(att->atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
 
-	oldcxt = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
 	if (st == NULL)
-		st = palloc0(sizeof(GuardTrigState));
-	else if (st->transitions)
-		pfree(st->transitions);
+		st = MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(GuardTrigState));
+	else if (st->cxt)
+		MemoryContextDelete(st->cxt);
 	st->tgoid = InvalidOid;		/* not valid until filled in */
+	st->cxt = NULL;
+	st->map = NULL;
+	st->verattnum = InvalidAttrNumber;
 	st->attnum = attnum;
-	st->typid = getBaseType(atttypid);
-	st->transitions = NULL;
-	getTypeOutputInfo(atttypid, &outfn, &isvarlena);
+	st->typid = getBaseType(att->atttypid);
+	getTypeOutputInfo(att->atttypid, &outfn, &isvarlena);
 	fmgr_info_cxt(outfn, &st->outfn, fcinfo->flinfo->fn_mcxt);
 	if (kind == GUARD_VERSION)
 		st->raise = parse_mode(tg->tgargs[1], "on_stale");
 	else
 	{
+		Trigger    *vtg = find_guard_trigger(td->tg_relation, VERSION_TRIGGER_NAME);
+		MemoryContext oldcxt;
+
 		st->raise = parse_mode(tg->tgargs[2], "on_invalid");
-		st->transitions = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
-															 CStringGetDatum(tg->tgargs[1])));
+		/* the map's values live as long as this state, in a context of their own */
+		st->cxt = AllocSetContextCreate(fcinfo->flinfo->fn_mcxt, "idempotency transition map",
+										ALLOCSET_SMALL_SIZES);
+		oldcxt = MemoryContextSwitchTo(st->cxt);
+		state_type_init(&st->stt, att->atttypid, att->atttypmod, att->attcollation,
+						NameStr(att->attname), st->cxt);
+		st->map = statemap_build(DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
+																	CStringGetDatum(tg->tgargs[1]))),
+								 &st->stt);
+		MemoryContextSwitchTo(oldcxt);
+
+		/* with a version guard beside it, the version tells a repeat from news */
+		if (vtg != NULL && vtg->tgenabled != TRIGGER_DISABLED)
+		{
+			int			vatt = SPI_fnumber(tupdesc, vtg->tgargs[0]);
+
+			if (vatt > 0 &&
+				version_type_ok(getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid)))
+			{
+				st->verattnum = vatt;
+				st->vertypid = getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid);
+			}
+		}
 	}
-	MemoryContextSwitchTo(oldcxt);
-	if (kind == GUARD_TRANSITIONS)
-		transitions_validate(st->transitions, InvalidOid, InvalidOid, -1);
 	fcinfo->flinfo->fn_extra = st;
 	st->tgoid = tg->tgoid;
 	return st;
@@ -550,10 +770,12 @@ idem_version_guard(PG_FUNCTION_ARGS)
 						NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
 						RelationGetRelationName(rel)),
 				 errdetail("A version-guarded table needs a version on every update.")));
+	check_version_finite(st->typid, newv,
+						 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+						 RelationGetRelationName(rel));
 	oldv = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
 
-	/* a row without a version yet takes any version */
-	if (oldnull || version_cmp(st->typid, newv, oldv) > 0)
+	if (version_raised(st->typid, newv, oldv, oldnull))
 		return PointerGetDatum(newtup);
 
 	/* stale or equal: leave the row as it is, or refuse */
@@ -615,8 +837,6 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 				newd;
 	bool		oldnull,
 				newnull;
-	char	   *oldtxt = NULL;
-	char	   *newtxt = NULL;
 	int			elevel;
 	char	   *key;
 	StringInfoData detail;
@@ -628,28 +848,43 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 
 	oldd = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
 	newd = heap_getattr(newtup, st->attnum, tupdesc, &newnull);
-	if (!oldnull)
-		oldtxt = OutputFunctionCall(&st->outfn, oldd);
-	if (!newnull)
-		newtxt = OutputFunctionCall(&st->outfn, newd);
 
-	/* the state it already has: an applied transition, keep the whole row */
+	/* the state it already has */
 	if ((oldnull && newnull) ||
-		(!oldnull && !newnull && strcmp(oldtxt, newtxt) == 0))
+		(!oldnull && !newnull && state_eq(&st->stt, oldd, newd)))
 	{
+		/*
+		 * Beside a version guard, an update that raises the version is news
+		 * (a newer snapshot in the same state): let it through.  Otherwise it
+		 * is a repeat of an applied transition: keep the whole row.
+		 */
+		if (st->verattnum != InvalidAttrNumber)
+		{
+			Datum		oldv,
+						newv;
+			bool		oldvnull,
+						newvnull;
+
+			newv = heap_getattr(newtup, st->verattnum, tupdesc, &newvnull);
+			oldv = heap_getattr(oldtup, st->verattnum, tupdesc, &oldvnull);
+			if (!newvnull && version_finite(st->vertypid, newv) &&
+				version_raised(st->vertypid, newv, oldv, oldvnull))
+				return PointerGetDatum(newtup);
+		}
 		guard_counters.already_applied++;
 		if (message_level_is_interesting(guard_log_level))
 			ereport(guard_log_level,
 					(errmsg("skipped already-applied transition of relation \"%s\" to state %s",
 							RelationGetRelationName(rel),
-							newnull ? "NULL" : quote_literal_cstr(newtxt))));
+							newnull ? "NULL" :
+							quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)))));
 		return PointerGetDatum(NULL);
 	}
 
 	/* a row without a state yet may take any state */
 	if (oldnull)
 		return PointerGetDatum(newtup);
-	if (!newnull && transition_allowed(st->transitions, oldtxt, newtxt))
+	if (!newnull && statemap_allows(st->map, &st->stt, oldd, newd))
 		return PointerGetDatum(newtup);
 
 	if (st->raise)
@@ -671,8 +906,8 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 		appendStringInfo(&detail, "Key %s. ", key);
 	appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from %s to %s.",
 					 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
-					 quote_literal_cstr(oldtxt),
-					 newnull ? "NULL" : quote_literal_cstr(newtxt));
+					 quote_literal_cstr(OutputFunctionCall(&st->outfn, oldd)),
+					 newnull ? "NULL" : quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)));
 	ereport(elevel,
 			(errcode(elevel >= ERROR ? ERRCODE_IDEM_INVALID_TRANSITION : ERRCODE_SUCCESSFUL_COMPLETION),
 			 elevel >= ERROR ?
@@ -741,6 +976,7 @@ guard_column(Oid relid, const char *colname)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("cannot guard system column \"%s\"", colname)));
+	check_not_generated(get_attgenerated(relid, attnum), colname, get_rel_name(relid));
 	return attnum;
 }
 
@@ -749,6 +985,93 @@ qualified_relname(Oid relid)
 {
 	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
 									  get_rel_name(relid));
+}
+
+/* The relation and parent trigger of trigger tgoid (InvalidOid: none). */
+static void
+trigger_lookup(Oid tgoid, Oid *tgrelid, Oid *tgparentid)
+{
+	Relation	tgrel = table_open(TriggerRelationId, AccessShareLock);
+	ScanKeyData skey;
+	SysScanDesc scan;
+	HeapTuple	tup;
+
+	ScanKeyInit(&skey, Anum_pg_trigger_oid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(tgoid));
+	scan = systable_beginscan(tgrel, TriggerOidIndexId, true, NULL, 1, &skey);
+	tup = systable_getnext(scan);
+	if (!HeapTupleIsValid(tup))
+		elog(ERROR, "could not find trigger %u", tgoid);
+	*tgrelid = ((Form_pg_trigger) GETSTRUCT(tup))->tgrelid;
+	*tgparentid = ((Form_pg_trigger) GETSTRUCT(tup))->tgparentid;
+	systable_endscan(scan);
+	table_close(tgrel, AccessShareLock);
+}
+
+/*
+ * If relid's guard trigger tgname is a clone of a partitioned table's guard,
+ * the partitioned table it was installed on; else InvalidOid.
+ */
+static Oid
+guard_inherited_from(Oid relid, const char *tgname)
+{
+	Oid			tgoid = get_trigger_oid(relid, tgname, true);
+	Oid			tgrelid = InvalidOid,
+				parentid = InvalidOid;
+
+	if (!OidIsValid(tgoid))
+		return InvalidOid;
+	trigger_lookup(tgoid, &tgrelid, &parentid);
+	if (!OidIsValid(parentid))
+		return InvalidOid;
+	/* up to the top of the chain */
+	while (OidIsValid(parentid))
+		trigger_lookup(parentid, &tgrelid, &parentid);
+	return tgrelid;
+}
+
+/*
+ * A guard installed on a partitioned table is cloned onto every partition
+ * under the same trigger name, and PostgreSQL keeps the clones tied to it.
+ * So a partition whose guard is such a clone cannot have it replaced on its
+ * own, and a partitioned table cannot take a guard while one of its
+ * partitions has a guard of that kind of its own.  Say so plainly rather
+ * than let DROP/CREATE TRIGGER fail on a dependency.  Called with the table
+ * locked; this locks its partitions, as CREATE TRIGGER would.
+ */
+static void
+check_guard_partitions(Oid relid, const char *tgname, const char *what)
+{
+	Oid			owner = guard_inherited_from(relid, tgname);
+
+	if (OidIsValid(owner))
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("cannot install a %s guard on partition \"%s\"", what, get_rel_name(relid)),
+				 errdetail("The partition has the %s guard of partitioned table \"%s\", which applies to all of its partitions.",
+						   what, get_rel_name(owner)),
+				 errhint("Change the guard of \"%s\" instead.", get_rel_name(owner))));
+
+	if (get_rel_relkind(relid) == RELKIND_PARTITIONED_TABLE)
+	{
+		List	   *parts = find_all_inheritors(relid, ShareRowExclusiveLock, NULL);
+		ListCell   *lc;
+
+		foreach(lc, parts)
+		{
+			Oid			part = lfirst_oid(lc);
+
+			if (part != relid && OidIsValid(get_trigger_oid(part, tgname, true)) &&
+				!OidIsValid(guard_inherited_from(part, tgname)))
+				ereport(ERROR,
+						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+						 errmsg("cannot install a %s guard on partitioned table \"%s\"",
+								what, get_rel_name(relid)),
+						 errdetail("Its partition \"%s\" has a %s guard of its own.",
+								   get_rel_name(part), what),
+						 errhint("Remove that guard first with idem_unguard().")));
+		}
+	}
 }
 
 /* Drop the named guard trigger if it exists. Caller is connected to SPI. */
@@ -802,6 +1125,7 @@ idem_guard_version(PG_FUNCTION_ARGS)
 	guard_target_check(relid);
 	attnum = guard_column(relid, colname);
 	check_version_type(get_atttype(relid, attnum), colname, relid);
+	check_guard_partitions(relid, VERSION_TRIGGER_NAME, "version");
 
 	SPI_connect();
 	create_guard_trigger(relid, VERSION_TRIGGER_NAME, NULL, VERSION_TRIGGER_FUNC,
@@ -826,8 +1150,7 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	Oid			atttypid;
 	int32		atttypmod;
 	Oid			attcoll;
-	Oid			typinput;
-	Oid			typioparam;
+	StateType	stt;
 	char	   *maptext;
 
 	check_not_null(fcinfo, 0, "target");
@@ -843,9 +1166,11 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	guard_target_check(relid);
 	attnum = guard_column(relid, colname);
 	get_atttypetypmodcoll(relid, attnum, &atttypid, &atttypmod, &attcoll);
-	getTypeInputInfo(atttypid, &typinput, &typioparam);
+	/* states are compared by the type's equality, so it must have one */
+	state_type_init(&stt, atttypid, atttypmod, attcoll, colname, CurrentMemoryContext);
 	/* every state named must be a value the column can hold */
-	transitions_validate(map, typinput, typioparam, atttypmod);
+	(void) statemap_build(map, &stt);
+	check_guard_partitions(relid, TRANSITION_TRIGGER_NAME, "transition");
 
 	maptext = JsonbToCString(NULL, &map->root, VARSIZE(map));
 	SPI_connect();
@@ -857,27 +1182,91 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
-/* idem_unguard(target regclass): remove both guards, if present */
+/*
+ * idem_unguard(target regclass): remove both guards, if present.  On a
+ * partition, guards inherited from its partitioned table stay: they can only
+ * be removed there.
+ */
 Datum
 idem_unguard(PG_FUNCTION_ARGS)
 {
+	static const char *const names[] = {VERSION_TRIGGER_NAME, TRANSITION_TRIGGER_NAME};
+	static const char *const kinds[] = {"version", "transition"};
 	Oid			relid;
+	Oid			owner = InvalidOid;
+	const char *kind = NULL;
+	bool		dropped = false;
+	int			i;
 
 	check_not_null(fcinfo, 0, "target");
 	relid = PG_GETARG_OID(0);
 	guard_target_check(relid);
 	SPI_connect();
-	drop_guard_trigger(relid, VERSION_TRIGGER_NAME);
-	drop_guard_trigger(relid, TRANSITION_TRIGGER_NAME);
+	for (i = 0; i < 2; i++)
+	{
+		Oid			from = guard_inherited_from(relid, names[i]);
+
+		if (OidIsValid(from))
+		{
+			owner = from;
+			kind = kinds[i];
+		}
+		else if (OidIsValid(get_trigger_oid(relid, names[i], true)))
+		{
+			drop_guard_trigger(relid, names[i]);
+			dropped = true;
+		}
+	}
 	SPI_finish();
+	if (OidIsValid(owner))
+		ereport(dropped ? NOTICE : ERROR,
+				(errcode(dropped ? ERRCODE_SUCCESSFUL_COMPLETION : ERRCODE_FEATURE_NOT_SUPPORTED),
+				 dropped ?
+				 errmsg("the %s guard of partition \"%s\" stays", kind, get_rel_name(relid)) :
+				 errmsg("cannot remove the %s guard of partition \"%s\"", kind, get_rel_name(relid)),
+				 errdetail("The partition has the %s guard of partitioned table \"%s\", which applies to all of its partitions.",
+						   kind, get_rel_name(owner)),
+				 errhint("Remove the guard of \"%s\" instead.", get_rel_name(owner))));
 	PG_RETURN_VOID();
 }
 
 
 /*------------------------------------------------------------------------
- * Plan cache for idem_upsert / idem_transition
+ * Plan caches for idem_upsert / idem_transition
+ *
+ * One hash per helper, keyed by table (and version column, or key type),
+ * whose entries hold kept SPI plans.  A backend that writes to many tables
+ * must not keep plans for all of them forever, so each cache holds at most
+ * GUARD_PLAN_CACHE_SIZE entries and evicts the least recently used one,
+ * freeing its plans.  An entry used by a call still running further up the
+ * stack (a trigger may call the helpers again) is never freed: eviction
+ * passes it by, and a nested call that finds it invalid builds plans of its
+ * own, which SPI_finish frees.
  *------------------------------------------------------------------------
  */
+
+#define GUARD_PLAN_CACHE_SIZE	128
+
+typedef struct PlanCacheLink
+{
+	dlist_node	lru;			/* in PlanCache.lru, most recently used first */
+	int			refcount;		/* calls running with the entry's plans */
+	bool		valid;			/* false: the table changed, rebuild */
+} PlanCacheLink;
+
+typedef struct PlanCache
+{
+	const char *name;
+	HTAB	   *htab;
+	dlist_head	lru;
+	int			nentries;
+	Size		keysize;
+	Size		entrysize;
+	Size		linkoff;		/* where an entry's PlanCacheLink is */
+	void		(*free_plans) (void *entry);
+} PlanCache;
+
+#define PLAN_LINK(pc, entry) ((PlanCacheLink *) ((char *) (entry) + (pc)->linkoff))
 
 typedef struct UpsertKey
 {
@@ -885,12 +1274,21 @@ typedef struct UpsertKey
 	NameData	vcol;
 } UpsertKey;
 
+typedef struct UpsertPlans
+{
+	SPIPlanPtr	plan;			/* the upsert */
+	SPIPlanPtr	same_state_plan;	/* with a transition guard: the upsert
+									 * for a row whose state is unchanged,
+									 * which leaves the state column out */
+	AttrNumber	vattnum;		/* version column in the row type */
+	Oid			vtypid;			/* its base type */
+} UpsertPlans;
+
 typedef struct UpsertEntry
 {
 	UpsertKey	key;
-	bool		valid;
-	SPIPlanPtr	plan;
-	AttrNumber	vattnum;		/* version column in the row type */
+	PlanCacheLink link;
+	UpsertPlans plans;
 } UpsertEntry;
 
 typedef struct TransitionKey
@@ -899,60 +1297,146 @@ typedef struct TransitionKey
 	Oid			idtype;
 } TransitionKey;
 
+typedef struct TransitionPlans
+{
+	SPIPlanPtr	select_plan;	/* is the state already to_state? row locked */
+	SPIPlanPtr	update_plan;	/* set the new state */
+} TransitionPlans;
+
 typedef struct TransitionEntry
 {
 	TransitionKey key;
-	bool		valid;
-	SPIPlanPtr	select_plan;	/* current state as text, row locked */
-	SPIPlanPtr	update_plan;	/* set the new state */
+	PlanCacheLink link;
+	TransitionPlans plans;
 } TransitionEntry;
 
-static HTAB *upsert_plans = NULL;
-static HTAB *transition_plans = NULL;
-
-/* Relcache callback: forget plans built for a relation that changed. */
 static void
-guard_relcache_callback(Datum arg, Oid relid)
+upsert_free_plans(void *entry)
 {
-	HASH_SEQ_STATUS seq;
+	UpsertPlans *p = &((UpsertEntry *) entry)->plans;
 
-	if (upsert_plans)
-	{
-		UpsertEntry *e;
-
-		hash_seq_init(&seq, upsert_plans);
-		while ((e = hash_seq_search(&seq)) != NULL)
-			if (relid == InvalidOid || e->key.relid == relid)
-				e->valid = false;
-	}
-	if (transition_plans)
-	{
-		TransitionEntry *e;
-
-		hash_seq_init(&seq, transition_plans);
-		while ((e = hash_seq_search(&seq)) != NULL)
-			if (relid == InvalidOid || e->key.relid == relid)
-				e->valid = false;
-	}
+	if (p->plan)
+		SPI_freeplan(p->plan);
+	if (p->same_state_plan)
+		SPI_freeplan(p->same_state_plan);
+	p->plan = p->same_state_plan = NULL;
 }
 
 static void
-guard_plan_caches_init(void)
+transition_free_plans(void *entry)
 {
-	HASHCTL		ctl;
+	TransitionPlans *p = &((TransitionEntry *) entry)->plans;
 
-	if (upsert_plans)
+	if (p->select_plan)
+		SPI_freeplan(p->select_plan);
+	if (p->update_plan)
+		SPI_freeplan(p->update_plan);
+	p->select_plan = p->update_plan = NULL;
+}
+
+static PlanCache upsert_cache = {
+	"idempotency upsert plans", NULL, {{NULL, NULL}}, 0,
+	sizeof(UpsertKey), sizeof(UpsertEntry), offsetof(UpsertEntry, link),
+	upsert_free_plans
+};
+static PlanCache transition_cache = {
+	"idempotency transition plans", NULL, {{NULL, NULL}}, 0,
+	sizeof(TransitionKey), sizeof(TransitionEntry), offsetof(TransitionEntry, link),
+	transition_free_plans
+};
+
+/* Relcache callback: forget plans built for a relation that changed. */
+static void
+plan_cache_invalidate(PlanCache *pc, Oid relid)
+{
+	HASH_SEQ_STATUS seq;
+	void	   *entry;
+
+	if (pc->htab == NULL)
 		return;
-	memset(&ctl, 0, sizeof(ctl));
-	ctl.keysize = sizeof(UpsertKey);
-	ctl.entrysize = sizeof(UpsertEntry);
-	ctl.hcxt = CacheMemoryContext;
-	upsert_plans = hash_create("idempotency upsert plans", 32, &ctl,
-							   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
-	ctl.keysize = sizeof(TransitionKey);
-	ctl.entrysize = sizeof(TransitionEntry);
-	transition_plans = hash_create("idempotency transition plans", 32, &ctl,
-								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	hash_seq_init(&seq, pc->htab);
+	while ((entry = hash_seq_search(&seq)) != NULL)
+		/* both keys start with the relation's OID */
+		if (relid == InvalidOid || *(Oid *) entry == relid)
+			PLAN_LINK(pc, entry)->valid = false;
+}
+
+static void
+guard_relcache_callback(Datum arg, Oid relid)
+{
+	plan_cache_invalidate(&upsert_cache, relid);
+	plan_cache_invalidate(&transition_cache, relid);
+}
+
+/* Free least recently used entries, other than keep, down to the bound. */
+static void
+plan_cache_evict(PlanCache *pc, void *keep)
+{
+	while (pc->nentries > GUARD_PLAN_CACHE_SIZE)
+	{
+		dlist_node *node;
+		void	   *victim = NULL;
+
+		for (node = pc->lru.head.prev; node != &pc->lru.head; node = node->prev)
+		{
+			void	   *entry = (char *) node - pc->linkoff;
+
+			if (entry != keep && PLAN_LINK(pc, entry)->refcount == 0)
+			{
+				victim = entry;
+				break;
+			}
+		}
+		if (victim == NULL)
+			return;				/* all in use: over the bound for a while */
+		pc->free_plans(victim);
+		dlist_delete(&PLAN_LINK(pc, victim)->lru);
+		(void) hash_search(pc->htab, victim, HASH_REMOVE, NULL);
+		pc->nentries--;
+	}
+}
+
+/*
+ * The entry for key, created if need be, marked most recently used and in
+ * use: the caller must plan_cache_release() it, also on error.
+ */
+static void *
+plan_cache_acquire(PlanCache *pc, const void *key)
+{
+	void	   *entry;
+	PlanCacheLink *link;
+	bool		found;
+
+	if (pc->htab == NULL)
+	{
+		HASHCTL		ctl;
+
+		memset(&ctl, 0, sizeof(ctl));
+		ctl.keysize = pc->keysize;
+		ctl.entrysize = pc->entrysize;
+		ctl.hcxt = CacheMemoryContext;
+		pc->htab = hash_create(pc->name, 32, &ctl, HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+		dlist_init(&pc->lru);
+	}
+	entry = hash_search(pc->htab, key, HASH_ENTER, &found);
+	link = PLAN_LINK(pc, entry);
+	if (!found)
+	{
+		memset((char *) entry + pc->keysize, 0, pc->entrysize - pc->keysize);
+		dlist_push_head(&pc->lru, &link->lru);
+		pc->nentries++;
+		plan_cache_evict(pc, entry);
+	}
+	else
+		dlist_move_head(&pc->lru, &link->lru);
+	link->refcount++;
+	return entry;
+}
+
+static void
+plan_cache_release(PlanCache *pc, void *entry)
+{
+	PLAN_LINK(pc, entry)->refcount--;
 }
 
 /* Open a table the helpers write to; 42P01 / 42809 otherwise. */
@@ -987,12 +1471,56 @@ helper_open_pkey(Relation rel, const char *caller)
 	return index_open(pkoid, AccessShareLock);
 }
 
+/* "OPERATOR(schema.name)" for operator opno: no search_path games. */
+static char *
+operator_sql(Oid opno)
+{
+	HeapTuple	optup = SearchSysCache1(OPEROID, ObjectIdGetDatum(opno));
+	Form_pg_operator opform;
+	char	   *result;
+
+	if (!HeapTupleIsValid(optup))
+		elog(ERROR, "cache lookup failed for operator %u", opno);
+	opform = (Form_pg_operator) GETSTRUCT(optup);
+	result = psprintf("OPERATOR(%s.%s)",
+					  quote_identifier(get_namespace_name(opform->oprnamespace)),
+					  NameStr(opform->oprname));
+	ReleaseSysCache(optup);
+	return result;
+}
+
+/* The default equality operator of typid (or its base type), as SQL. */
+static char *
+equality_sql(Oid typid)
+{
+	TypeCacheEntry *tc = lookup_type_cache(getBaseType(typid), TYPECACHE_EQ_OPR);
+
+	if (!OidIsValid(tc->eq_opr))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_FUNCTION),
+				 errmsg("could not identify an equality operator for type %s",
+						format_type_be(typid))));
+	return operator_sql(tc->eq_opr);
+}
+
+static SPIPlanPtr
+helper_prepare(const char *sql, int nargs, Oid *argtypes, bool keep)
+{
+	SPIPlanPtr	plan = SPI_prepare(sql, nargs, argtypes);
+
+	if (plan == NULL)
+		elog(ERROR, "could not prepare \"%s\": %s", sql, SPI_result_code_string(SPI_result));
+	if (keep && SPI_keepplan(plan) != 0)
+		elog(ERROR, "could not keep plan for \"%s\"", sql);
+	return plan;
+}
+
 /*
- * Build the upsert for relid:
+ * Build the upsert for key->relid into *out (kept for the cache if keep):
  *
- *	 INSERT INTO s.t AS t (c1, ...) SELECT ($1).c1, ...
+ *	 INSERT INTO s.t AS t (c1, ...) [OVERRIDING SYSTEM VALUE] SELECT ($1).c1, ...
  *	 ON CONFLICT (pk) DO UPDATE SET c = EXCLUDED.c, ...
- *	 WHERE t.v < EXCLUDED.v AND $2
+ *	 WHERE (t.v < EXCLUDED.v OR t.v IS NULL [OR t.v = 'NaN']) AND $2
  *	 RETURNING 1
  *
  * No row returned means the WHERE rejected the update: stale.  To tell an
@@ -1000,24 +1528,46 @@ helper_open_pkey(Relation rel, const char *caller)
  * through a partitioned table), $2 is a boolean parameter that only the DO
  * UPDATE arm ever reads, after the version test: upsert_param_fetch() notes
  * that it was fetched.
+ *
+ * A primary key column that is GENERATED ALWAYS AS IDENTITY is inserted with
+ * OVERRIDING SYSTEM VALUE: the row's key is the key, or every call would
+ * insert a new row.  Other generated and identity-always columns are left to
+ * the table.
+ *
+ * On a table with a transition guard, naming the state column in the SET
+ * list makes the guard fire, and it keeps the old row whenever the state is
+ * unchanged -- which would drop a newer version in the same state.  So such a
+ * table gets a second plan that leaves the state column out and applies only
+ * if the state is unchanged:
+ *
+ *	 ... DO UPDATE SET c = EXCLUDED.c, ... (not the state)
+ *	 WHERE t.v < EXCLUDED.v AND $3 AND t.s = EXCLUDED.s (or both NULL) AND $2
+ *
+ * It runs first; if it read $3 but not $2 (newer, but the state differs), the
+ * conflicting row is locked by now, and the full upsert runs, which the
+ * guard judges as a state change.
  */
 static void
-upsert_build(UpsertEntry *e, Oid rowtype)
+upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 {
-	Relation	rel = helper_open_table(e->key.relid);
+	Relation	rel = helper_open_table(key->relid);
 	Relation	idx = helper_open_pkey(rel, "idem_upsert");
 	TupleDesc	tupdesc = RelationGetDescr(rel);
-	const char *vcol = NameStr(e->key.vcol);
+	const char *vcol = NameStr(key->vcol);
+	Trigger    *ttg = find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
+	AttrNumber	stateatt = InvalidAttrNumber;
 	StringInfoData cols,
 				vals,
 				sets,
-				sql;
+				sets_nostate,
+				conflict;
 	Bitmapset  *pkcols = NULL;
-	bool		first = true;
+	bool		override = false;
 	int			i;
 	AttrNumber	vattnum;
-	Oid			argtypes[2];
-	SPIPlanPtr	plan;
+	Oid			argtypes[3];
+	char	   *head;
+	char	   *vtest;
 
 	vattnum = SPI_fnumber(tupdesc, vcol);
 	if (vattnum <= 0)
@@ -1025,81 +1575,111 @@ upsert_build(UpsertEntry *e, Oid rowtype)
 				(errcode(ERRCODE_UNDEFINED_COLUMN),
 				 errmsg("column \"%s\" of relation \"%s\" does not exist",
 						vcol, RelationGetRelationName(rel))));
-	check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, e->key.relid);
+	check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, key->relid);
+	out->vattnum = vattnum;
+	out->vtypid = getBaseType(TupleDescAttr(tupdesc, vattnum - 1)->atttypid);
+	if (ttg != NULL && ttg->tgenabled != TRIGGER_DISABLED)
+		stateatt = SPI_fnumber(tupdesc, ttg->tgargs[0]);
 
 	initStringInfo(&cols);
 	initStringInfo(&vals);
 	initStringInfo(&sets);
-	initStringInfo(&sql);
+	initStringInfo(&sets_nostate);
+	initStringInfo(&conflict);
 
-	appendStringInfoString(&sql, " ON CONFLICT (");
 	for (i = 0; i < IndexRelationGetNumberOfKeyAttributes(idx); i++)
 	{
 		AttrNumber	attno = idx->rd_index->indkey.values[i];
 
 		pkcols = bms_add_member(pkcols, attno);
-		appendStringInfo(&sql, "%s%s", i ? ", " : "",
+		appendStringInfo(&conflict, "%s%s", i ? ", " : "",
 						 quote_identifier(NameStr(TupleDescAttr(tupdesc, attno - 1)->attname)));
 	}
-	appendStringInfoString(&sql, ") DO UPDATE SET ");
 
 	for (i = 0; i < tupdesc->natts; i++)
 	{
 		Form_pg_attribute att = TupleDescAttr(tupdesc, i);
+		bool		inkey = bms_is_member(att->attnum, pkcols);
 		const char *name;
 
-		/* columns the table always computes itself are left to it */
-		if (att->attisdropped || att->attgenerated ||
-			att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS)
+		if (att->attisdropped || att->attgenerated)
 			continue;
+		/* identity columns the table always computes are its business, unless keys */
+		if (att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS)
+		{
+			if (!inkey)
+				continue;
+			override = true;
+		}
 		name = quote_identifier(NameStr(att->attname));
 		appendStringInfo(&cols, "%s%s", cols.len ? ", " : "", name);
 		appendStringInfo(&vals, "%s($1).%s", vals.len ? ", " : "", name);
-		if (bms_is_member(att->attnum, pkcols))
+		if (inkey)
 			continue;
-		appendStringInfo(&sets, "%s%s = EXCLUDED.%s", first ? "" : ", ", name, name);
-		first = false;
+		appendStringInfo(&sets, "%s%s = EXCLUDED.%s", sets.len ? ", " : "", name, name);
+		if (att->attnum != stateatt || att->attnum == vattnum)
+			appendStringInfo(&sets_nostate, "%s%s = EXCLUDED.%s",
+							 sets_nostate.len ? ", " : "", name, name);
 	}
-	/* a table of only key columns: nothing to update but the version check */
-	if (first)
+	/* nothing to update but the version check: a table of key columns only */
+	if (sets.len == 0)
 		appendStringInfo(&sets, "%s = EXCLUDED.%s", quote_identifier(vcol), quote_identifier(vcol));
+	if (sets_nostate.len == 0)
+		appendStringInfo(&sets_nostate, "%s = EXCLUDED.%s", quote_identifier(vcol), quote_identifier(vcol));
 
+	head = psprintf("INSERT INTO %s AS t (%s)%s SELECT %s ON CONFLICT (%s) DO UPDATE SET ",
+					qualified_relname(key->relid), cols.data,
+					override ? " OVERRIDING SYSTEM VALUE" : "", vals.data, conflict.data);
+	/* as in the version guard, a stored NULL or NaN is no version yet */
+	vtest = psprintf("(t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s OR t.%s IS NULL%s%s%s)",
+					 quote_identifier(vcol), quote_identifier(vcol), quote_identifier(vcol),
+					 out->vtypid == NUMERICOID ? " OR t." : "",
+					 out->vtypid == NUMERICOID ? quote_identifier(vcol) : "",
+					 out->vtypid == NUMERICOID ?
+					 " OPERATOR(pg_catalog.=) CAST('NaN' AS pg_catalog.numeric)" : "");
+	argtypes[0] = rowtype;
+	argtypes[1] = BOOLOID;
+	argtypes[2] = BOOLOID;
+	out->plan = helper_prepare(psprintf("%s%s WHERE %s AND $2 RETURNING 1",
+										head, sets.data, vtest),
+							   3, argtypes, keep);
+	out->same_state_plan = NULL;
+	if (stateatt > 0 && stateatt != vattnum && strcmp(sets.data, sets_nostate.data) != 0)
 	{
-		StringInfoData full;
+		const char *s = quote_identifier(NameStr(TupleDescAttr(tupdesc, stateatt - 1)->attname));
 
-		initStringInfo(&full);
-		appendStringInfo(&full, "INSERT INTO %s AS t (%s) SELECT %s%s%s"
-						 " WHERE t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s AND $2"
-						 " RETURNING 1",
-						 qualified_relname(e->key.relid), cols.data, vals.data, sql.data, sets.data,
-						 quote_identifier(vcol), quote_identifier(vcol));
-		argtypes[0] = rowtype;
-		argtypes[1] = BOOLOID;
-		plan = SPI_prepare(full.data, 2, argtypes);
-		if (plan == NULL)
-			elog(ERROR, "could not prepare upsert for \"%s\": %s",
-				 RelationGetRelationName(rel), SPI_result_code_string(SPI_result));
+		out->same_state_plan =
+			helper_prepare(psprintf("%s%s WHERE %s AND $3 AND (t.%s %s EXCLUDED.%s"
+									" OR (t.%s IS NULL AND EXCLUDED.%s IS NULL)) AND $2 RETURNING 1",
+									head, sets_nostate.data, vtest,
+									s, equality_sql(TupleDescAttr(tupdesc, stateatt - 1)->atttypid), s,
+									s, s),
+						   3, argtypes, keep);
 	}
+
 	index_close(idx, AccessShareLock);
 	relation_close(rel, NoLock);
-
-	if (SPI_keepplan(plan) != 0)
-		elog(ERROR, "could not keep upsert plan");
-	e->plan = plan;
-	e->vattnum = vattnum;
-	e->valid = true;
 }
 
-/* Set when the running upsert reached its DO UPDATE arm past the version test. */
+/*
+ * Set when the running upsert reached its DO UPDATE arm past the version
+ * test ($3) and past all its tests ($2).
+ */
+static bool upsert_newer_seen = false;
 static bool upsert_update_seen = false;
 
-/* paramFetch hook of idem_upsert: parameter 2 is read only by an update. */
+/* paramFetch hook of idem_upsert: parameters 2 and 3 are read only by an update. */
 static ParamExternData *
 upsert_param_fetch(ParamListInfo params, int paramid, bool speculative,
 				   ParamExternData *workspace)
 {
-	if (paramid == 2 && !speculative)
-		upsert_update_seen = true;
+	if (!speculative)
+	{
+		if (paramid == 2)
+			upsert_update_seen = true;
+		else if (paramid == 3)
+			upsert_newer_seen = true;
+	}
 	return &params->params[paramid - 1];
 }
 
@@ -1110,15 +1690,18 @@ idem_upsert(PG_FUNCTION_ARGS)
 	Oid			rowtype;
 	Oid			relid;
 	UpsertKey	key;
-	UpsertEntry *e;
-	bool		found;
+	UpsertEntry *volatile e;
+	UpsertPlans plans;
 	bool		isnull;
 	Datum		arg;
+	Datum		version;
 	const char *result;
 	int			rc = 0;
 	ParamListInfo params;
 	bool		saved_seen;
+	bool		saved_newer;
 	bool		updated = false;
+	uint64		processed = 0;
 
 	check_not_null(fcinfo, 0, "new_row");
 	check_not_null(fcinfo, 1, "version_column");
@@ -1132,119 +1715,145 @@ idem_upsert(PG_FUNCTION_ARGS)
 						OidIsValid(rowtype) ? format_type_be(rowtype) : "unknown"),
 				 errhint("Pass a row of the target table, e.g. ROW(...)::my_table.")));
 
-	guard_plan_caches_init();
 	memset(&key, 0, sizeof(key));
 	key.relid = relid;
 	namestrcpy(&key.vcol, NameStr(*PG_GETARG_NAME(1)));
-	e = hash_search(upsert_plans, &key, HASH_ENTER, &found);
-	if (!found)
-	{
-		e->valid = false;
-		e->plan = NULL;
-	}
-
-	SPI_connect();
-	if (!e->valid)
-	{
-		if (e->plan)
-		{
-			SPI_freeplan(e->plan);
-			e->plan = NULL;
-		}
-		upsert_build(e, rowtype);
-	}
-
 	arg = PG_GETARG_DATUM(0);
-	(void) GetAttributeByNum(DatumGetHeapTupleHeader(arg), e->vattnum, &isnull);
-	if (isnull)
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("version column \"%s\" of the new row is null", NameStr(key.vcol))));
 
-	/*
-	 * $1 is the row, constant for the planner; $2 is left non-constant so
-	 * that the executor fetches it through the hook each time it is read.
-	 */
-	params = makeParamList(2);
-	params->paramFetch = upsert_param_fetch;
-	params->params[0].value = arg;
-	params->params[0].isnull = false;
-	params->params[0].pflags = PARAM_FLAG_CONST;
-	params->params[0].ptype = rowtype;
-	params->params[1].value = BoolGetDatum(true);
-	params->params[1].isnull = false;
-	params->params[1].pflags = 0;
-	params->params[1].ptype = BOOLOID;
-
-	/* save and restore: a trigger on the table may run an upsert of its own */
-	saved_seen = upsert_update_seen;
-	upsert_update_seen = false;
+	e = plan_cache_acquire(&upsert_cache, &key);
 	PG_TRY();
 	{
-		rc = SPI_execute_plan_with_paramlist(e->plan, params, false, 0);
+		SPI_connect();
+		if (e->link.valid && e->plans.plan != NULL)
+			plans = e->plans;
+		else if (e->link.refcount == 1)
+		{
+			upsert_free_plans(e);
+			/* set first: an invalidation while building clears it again */
+			e->link.valid = true;
+			upsert_build(&key, rowtype, &e->plans, true);
+			plans = e->plans;
+		}
+		else
+			upsert_build(&key, rowtype, &plans, false);	/* in use further up */
+
+		version = GetAttributeByNum(DatumGetHeapTupleHeader(arg), plans.vattnum, &isnull);
+		if (isnull)
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("version column \"%s\" of the new row is null", NameStr(key.vcol))));
+		check_version_finite(plans.vtypid, version, NameStr(key.vcol), get_rel_name(relid));
+
+		/*
+		 * $1 is the row, constant for the planner; $2 and $3 are left
+		 * non-constant so that the executor fetches them through the hook
+		 * each time it reads them.
+		 */
+		params = makeParamList(3);
+		params->paramFetch = upsert_param_fetch;
+		params->params[0].value = arg;
+		params->params[0].isnull = false;
+		params->params[0].pflags = PARAM_FLAG_CONST;
+		params->params[0].ptype = rowtype;
+		for (int i = 1; i < 3; i++)
+		{
+			params->params[i].value = BoolGetDatum(true);
+			params->params[i].isnull = false;
+			params->params[i].pflags = 0;
+			params->params[i].ptype = BOOLOID;
+		}
+
+		/* save and restore: a trigger on the table may run an upsert of its own */
+		saved_seen = upsert_update_seen;
+		saved_newer = upsert_newer_seen;
+		upsert_update_seen = upsert_newer_seen = false;
+		PG_TRY();
+		{
+			rc = SPI_execute_plan_with_paramlist(plans.same_state_plan ? plans.same_state_plan : plans.plan,
+												 params, false, 0);
+			processed = SPI_processed;
+			/* newer but in another state: the row is locked; let the guard judge the move */
+			if (rc == SPI_OK_INSERT_RETURNING && processed == 0 &&
+				plans.same_state_plan && upsert_newer_seen && !upsert_update_seen)
+			{
+				rc = SPI_execute_plan_with_paramlist(plans.plan, params, false, 0);
+				processed = SPI_processed;
+			}
+		}
+		PG_FINALLY();
+		{
+			updated = upsert_update_seen;
+			upsert_update_seen = saved_seen;
+			upsert_newer_seen = saved_newer;
+		}
+		PG_END_TRY();
+		if (rc != SPI_OK_INSERT_RETURNING)
+			elog(ERROR, "idem_upsert: unexpected SPI result %s", SPI_result_code_string(rc));
+		if (processed == 0)
+		{
+			guard_counters.upsert_stale++;
+			result = "stale";
+		}
+		else
+			result = updated ? "updated" : "inserted";
+		SPI_finish();
 	}
 	PG_FINALLY();
 	{
-		updated = upsert_update_seen;
-		upsert_update_seen = saved_seen;
+		plan_cache_release(&upsert_cache, e);
 	}
 	PG_END_TRY();
-	if (rc != SPI_OK_INSERT_RETURNING)
-		elog(ERROR, "idem_upsert: unexpected SPI result %s", SPI_result_code_string(rc));
-	if (SPI_processed == 0)
-	{
-		guard_counters.upsert_stale++;
-		result = "stale";
-	}
-	else
-		result = updated ? "updated" : "inserted";
-	SPI_finish();
 	PG_RETURN_TEXT_P(cstring_to_text(result));
 }
 
 /*
- * Build the two statements idem_transition runs on relid:
+ * Build the two statements idem_transition runs on key->relid into *out:
  *
- *	 SELECT t.state::text FROM s.t t WHERE t.pk = $1::pktype FOR UPDATE
+ *	 SELECT t.state = $2::statetype FROM s.t t WHERE t.pk = $1::pktype FOR UPDATE
  *	 UPDATE s.t t SET state = $2::statetype WHERE t.pk = $1::pktype
  *
- * The state column is the one the table's transition guard names.
+ * The state column is the one the table's transition guard names; states
+ * are compared by its type's equality, as the guard compares them.
  */
 static void
-transition_build(TransitionEntry *e)
+transition_build(TransitionKey *key, TransitionPlans *out, bool keep)
 {
-	Relation	rel = helper_open_table(e->key.relid);
+	Relation	rel = helper_open_table(key->relid);
 	Relation	idx;
-	TriggerDesc *trigdesc = rel->trigdesc;
 	TupleDesc	tupdesc = RelationGetDescr(rel);
-	const char *statecol = NULL;
+	Trigger    *ttg = find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
+	Trigger    *vtg = find_guard_trigger(rel, VERSION_TRIGGER_NAME);
+	const char *statecol;
+	Form_pg_attribute stateattr;
 	AttrNumber	stateatt;
 	AttrNumber	pkatt;
 	Form_pg_attribute pkattr;
 	Oid			eqop;
-	HeapTuple	optup;
-	Form_pg_operator opform;
 	char	   *where;
-	char	   *sql;
+	char	   *statetype;
 	Oid			argtypes[2];
-	SPIPlanPtr	plan;
-	int			i;
 
-	for (i = 0; trigdesc && i < trigdesc->numtriggers; i++)
-		if (strcmp(trigdesc->triggers[i].tgname, TRANSITION_TRIGGER_NAME) == 0 &&
-			trigdesc->triggers[i].tgnargs == 3)
-			statecol = trigdesc->triggers[i].tgargs[0];
-	if (statecol == NULL)
+	if (ttg == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("relation \"%s\" has no transition guard", RelationGetRelationName(rel)),
 				 errhint("Install one with idem_guard_transitions().")));
+	/* it sets no version, so a version guard would skip every move */
+	if (vtg != NULL && vtg->tgenabled != TRIGGER_DISABLED)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem_transition() cannot move rows of relation \"%s\", which has a version guard",
+						RelationGetRelationName(rel)),
+				 errdetail("idem_transition() does not raise the version, so the version guard would skip every move."),
+				 errhint("Use an UPDATE or idem_upsert() that sets the state and raises the version.")));
+	statecol = ttg->tgargs[0];
 	stateatt = SPI_fnumber(tupdesc, statecol);
 	if (stateatt <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_UNDEFINED_COLUMN),
 				 errmsg("column \"%s\" of relation \"%s\" does not exist",
 						statecol, RelationGetRelationName(rel))));
+	stateattr = TupleDescAttr(tupdesc, stateatt - 1);
 
 	idx = helper_open_pkey(rel, "idem_transition");
 	if (IndexRelationGetNumberOfKeyAttributes(idx) != 1 || idx->rd_index->indkey.values[0] <= 0)
@@ -1257,46 +1866,31 @@ transition_build(TransitionEntry *e)
 	pkatt = idx->rd_index->indkey.values[0];
 	pkattr = TupleDescAttr(tupdesc, pkatt - 1);
 
-	/* the key's own equality operator, named by schema: no search_path games */
+	/* the key's own equality operator, named by schema */
 	eqop = get_opfamily_member(idx->rd_opfamily[0], idx->rd_opcintype[0],
 							   idx->rd_opcintype[0], BTEqualStrategyNumber);
-	optup = SearchSysCache1(OPEROID, ObjectIdGetDatum(eqop));
-	if (!HeapTupleIsValid(optup))
-		elog(ERROR, "cache lookup failed for operator %u", eqop);
-	opform = (Form_pg_operator) GETSTRUCT(optup);
-	where = psprintf("t.%s OPERATOR(%s.%s) CAST($1 AS %s)",
-					 quote_identifier(NameStr(pkattr->attname)),
-					 quote_identifier(get_namespace_name(opform->oprnamespace)),
-					 NameStr(opform->oprname),
+	where = psprintf("t.%s %s CAST($1 AS %s)",
+					 quote_identifier(NameStr(pkattr->attname)), operator_sql(eqop),
 					 format_type_extended(pkattr->atttypid, pkattr->atttypmod,
 										  FORMAT_TYPE_TYPEMOD_GIVEN | FORMAT_TYPE_FORCE_QUALIFY));
-	ReleaseSysCache(optup);
+	statetype = format_type_extended(stateattr->atttypid, stateattr->atttypmod,
+									 FORMAT_TYPE_TYPEMOD_GIVEN | FORMAT_TYPE_FORCE_QUALIFY);
 
-	argtypes[0] = e->key.idtype;
+	argtypes[0] = key->idtype;
 	argtypes[1] = TEXTOID;
-	sql = psprintf("SELECT CAST(t.%s AS pg_catalog.text) FROM %s t WHERE %s FOR UPDATE OF t",
-				   quote_identifier(statecol), qualified_relname(e->key.relid), where);
-	plan = SPI_prepare(sql, 1, argtypes);
-	if (plan == NULL)
-		elog(ERROR, "could not prepare state lookup: %s", SPI_result_code_string(SPI_result));
-	SPI_keepplan(plan);
-	e->select_plan = plan;
-
-	sql = psprintf("UPDATE %s t SET %s = CAST($2 AS %s) WHERE %s",
-				   qualified_relname(e->key.relid), quote_identifier(statecol),
-				   format_type_extended(TupleDescAttr(tupdesc, stateatt - 1)->atttypid,
-										TupleDescAttr(tupdesc, stateatt - 1)->atttypmod,
-										FORMAT_TYPE_TYPEMOD_GIVEN | FORMAT_TYPE_FORCE_QUALIFY),
-				   where);
-	plan = SPI_prepare(sql, 2, argtypes);
-	if (plan == NULL)
-		elog(ERROR, "could not prepare state update: %s", SPI_result_code_string(SPI_result));
-	SPI_keepplan(plan);
-	e->update_plan = plan;
+	out->select_plan =
+		helper_prepare(psprintf("SELECT t.%s %s CAST($2 AS %s) FROM %s t WHERE %s FOR UPDATE OF t",
+								quote_identifier(statecol), equality_sql(stateattr->atttypid),
+								statetype, qualified_relname(key->relid), where),
+					   2, argtypes, keep);
+	out->update_plan =
+		helper_prepare(psprintf("UPDATE %s t SET %s = CAST($2 AS %s) WHERE %s",
+								qualified_relname(key->relid), quote_identifier(statecol),
+								statetype, where),
+					   2, argtypes, keep);
 
 	index_close(idx, AccessShareLock);
 	relation_close(rel, NoLock);
-	e->valid = true;
 }
 
 /* idem_transition(target regclass, id anyelement, to_state text) RETURNS text */
@@ -1304,11 +1898,10 @@ Datum
 idem_transition(PG_FUNCTION_ARGS)
 {
 	TransitionKey key;
-	TransitionEntry *e;
-	bool		found;
+	TransitionEntry *volatile e;
+	TransitionPlans plans;
 	Datum		args[2];
 	const char *result;
-	char	   *to_state;
 	int			rc;
 
 	check_not_null(fcinfo, 0, "target");
@@ -1318,41 +1911,35 @@ idem_transition(PG_FUNCTION_ARGS)
 	memset(&key, 0, sizeof(key));
 	key.relid = PG_GETARG_OID(0);
 	key.idtype = get_fn_expr_argtype(fcinfo->flinfo, 1);
-	to_state = text_to_cstring(PG_GETARG_TEXT_PP(2));
-
-	guard_plan_caches_init();
-	e = hash_search(transition_plans, &key, HASH_ENTER, &found);
-	if (!found)
-	{
-		e->valid = false;
-		e->select_plan = e->update_plan = NULL;
-	}
-
-	SPI_connect();
-	if (!e->valid)
-	{
-		if (e->select_plan)
-			SPI_freeplan(e->select_plan);
-		if (e->update_plan)
-			SPI_freeplan(e->update_plan);
-		e->select_plan = e->update_plan = NULL;
-		transition_build(e);
-	}
-
 	args[0] = PG_GETARG_DATUM(1);
 	args[1] = PG_GETARG_DATUM(2);
 
-	/* lock the row and read its state: the answer must match what we write */
-	rc = SPI_execute_plan(e->select_plan, args, "  ", false, 0);
-	if (rc != SPI_OK_SELECT)
-		elog(ERROR, "idem_transition: unexpected SPI result %s", SPI_result_code_string(rc));
-	if (SPI_processed == 0)
-		result = "not_found";
-	else
+	e = plan_cache_acquire(&transition_cache, &key);
+	PG_TRY();
 	{
-		char	   *current = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
+		bool		isnull;
 
-		if (current != NULL && strcmp(current, to_state) == 0)
+		SPI_connect();
+		if (e->link.valid && e->plans.select_plan != NULL && e->plans.update_plan != NULL)
+			plans = e->plans;
+		else if (e->link.refcount == 1)
+		{
+			transition_free_plans(e);
+			e->link.valid = true;
+			transition_build(&key, &e->plans, true);
+			plans = e->plans;
+		}
+		else
+			transition_build(&key, &plans, false);	/* in use further up */
+
+		/* lock the row and compare its state: the answer must match what we write */
+		rc = SPI_execute_plan(plans.select_plan, args, "  ", false, 0);
+		if (rc != SPI_OK_SELECT)
+			elog(ERROR, "idem_transition: unexpected SPI result %s", SPI_result_code_string(rc));
+		if (SPI_processed == 0)
+			result = "not_found";
+		else if (DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
+											&isnull)) && !isnull)
 		{
 			guard_counters.already_applied++;
 			result = "already_applied";
@@ -1360,13 +1947,18 @@ idem_transition(PG_FUNCTION_ARGS)
 		else
 		{
 			/* the guard decides; it skips (0 rows) or raises IK005 */
-			rc = SPI_execute_plan(e->update_plan, args, "  ", false, 0);
+			rc = SPI_execute_plan(plans.update_plan, args, "  ", false, 0);
 			if (rc != SPI_OK_UPDATE)
 				elog(ERROR, "idem_transition: unexpected SPI result %s", SPI_result_code_string(rc));
 			result = SPI_processed > 0 ? "applied" : "rejected";
 		}
+		SPI_finish();
 	}
-	SPI_finish();
+	PG_FINALLY();
+	{
+		plan_cache_release(&transition_cache, e);
+	}
+	PG_END_TRY();
 	PG_RETURN_TEXT_P(cstring_to_text(result));
 }
 
