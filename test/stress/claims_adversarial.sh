@@ -25,11 +25,14 @@
 #     0-3 s, now and then longer), logging every action;
 #   - a configure loop changes the shape every 2-5 s: partition_interval
 #     1-3 s, retention 6-40 s (every other change at most 12 s, so drops
-#     happen), premake 1-10; a change refused with 22023 is logged, not a
+#     happen), premake 1-10; half of the interval changes are timed to
+#     land a few milliseconds before the first boundary of the new grid is
+#     one second ahead (so claimers already probe the premade partition the
+#     reshape replaces); a change refused with 22023 is logged, not a
 #     failure;
-#   - two "slow handlers" claim a hot key, sleep 0.2-1.5 s, claim a second
-#     one, sleep up to 1 s, and commit (or roll back): long transactions
-#     holding claims and locks across boundaries and reshapes;
+#   - three "slow handlers" claim three keys in turn with sleeps of
+#     0.2-1 s between, then commit (or roll back): long transactions that
+#     hold claims and partition locks across boundaries and reshapes;
 #   - a sampler claims keys whose latest effect is younger than the smallest
 #     retention the run can configure (in a transaction it rolls back): each
 #     such claim must return false unless the key was released.
@@ -62,7 +65,7 @@
 #   IDEM_ADV_HOT           hot keys (default 200)
 #   IDEM_ADV_KEYS          all keys, hot ones included (default 50000)
 #   IDEM_ADV_ROLLBACK_PCT  whole-transaction rollbacks (default 15)
-#   IDEM_ADV_MARGIN        seconds of slack on retention windows (default 1)
+#   IDEM_ADV_MARGIN        seconds of slack on retention windows (default 0.25)
 #   IDEM_ADV_SEED          random seed for pgbench and the loops
 # The adv_* tables stay in the database for inspection (with IDEM_KEEP=1,
 # test/run-tests keeps the cluster).
@@ -73,7 +76,7 @@ CLIENTS=${IDEM_ADV_CLIENTS:-8}
 HOT=${IDEM_ADV_HOT:-200}
 NKEYS=${IDEM_ADV_KEYS:-50000}
 ROLLBACK_PCT=${IDEM_ADV_ROLLBACK_PCT:-15}
-MARGIN=${IDEM_ADV_MARGIN:-1}
+MARGIN=${IDEM_ADV_MARGIN:-0.25}
 SEED=${IDEM_ADV_SEED:-$(( $(date +%s) % 1000000 ))}
 RET_FLOOR=6             # smallest retention the configure loop ever sets
 RET_CEIL=40             # largest; retention/partition_interval stays <= 40
@@ -363,7 +366,7 @@ maintain_loop() {
 # random reshapes every 2-5 s; every other one keeps retention short
 configure_loop() {
     local ret=$init_ret iv=$init_iv pm=$init_pm n=0
-    local nret niv npm a_ret a_iv a_pm args out
+    local nret niv npm a_ret a_iv a_pm args out timing d
     loop_traps
     while :; do
         sleep_ms "$(rand 2000 5000)"
@@ -386,8 +389,20 @@ configure_loop() {
         args="retention=$([[ $a_ret == NULL ]] && echo NULL || echo "${nret}s")"
         args+=" partition_interval=$([[ $a_iv == NULL ]] && echo NULL || echo "${niv}s")"
         args+=" premake=$a_pm"
+        # half of the interval changes are timed to land just before the
+        # point where the first boundary of the new grid is one second
+        # ahead: the premade partition starting there is already probed by
+        # claimers, and the reshape drops it
+        timing="SELECT 'untimed'"
+        if [[ $a_iv != NULL ]] && (( RANDOM % 2 == 0 )); then
+            d=$(rand 0 3000)
+            args+=" timed(-${d}us)"
+            timing="SELECT pg_sleep(greatest(0, ceil((e + 1.05) / $niv) * $niv - 1 - $d / 1e6 - e))
+                    FROM (SELECT extract(epoch FROM clock_timestamp()) AS e) x"
+        fi
         if out=$(sql -v VERBOSITY=sqlstate 2>&1 <<SQL
 BEGIN;
+$timing;
 SELECT idem_configure(retention => $a_ret, partition_interval => $a_iv, premake => $a_pm);
 INSERT INTO adv_config (retention_s, interval_s, premake, args)
 VALUES ($nret, $niv, $npm, '$args');
@@ -410,7 +425,7 @@ SQL
 sampler_loop() {
     local window out
     loop_traps
-    window=$((RET_FLOOR - MARGIN))
+    window="$RET_FLOOR - $MARGIN"
     while :; do
         sleep_ms "$(rand 200 600)"
         if out=$(sql -F '|' 2>&1 <<SQL
@@ -418,7 +433,7 @@ BEGIN;
 SELECT s.key, s.t_before, idem_claim(s.key, '$SCOPE')::int, clock_timestamp()
 FROM (SELECT key, max(t_before) AS t_before FROM adv_effects
       WHERE t_before > clock_timestamp() - make_interval(secs => $window)
-      GROUP BY key ORDER BY random() LIMIT 20) s
+      GROUP BY key ORDER BY bool_or(via = 'slow') DESC, random() LIMIT 20) s
 WHERE NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = s.key AND r.t_after > s.t_before)
 ORDER BY s.key;
 ROLLBACK;
@@ -431,24 +446,26 @@ SQL
     done
 }
 
-# slow handlers: claim a key, work a while, claim a second key (in byte
-# order, as everyone does), work again, commit; their transactions hold
-# their claims and partition locks across partition boundaries and
-# configuration changes
+# slow handlers: claim a key, work a while, claim another, work, claim a
+# third (in byte order, as everyone does), work, commit: transactions that
+# hold claims and partition locks across partition boundaries and
+# configuration changes, and claim again after them
 slow_loop() {
-    local k1 k2 a b out end
+    local ks k1 k2 k3 out end
     loop_traps
     while :; do
-        a=$(rand 1 "$HOT"); b=$(rand 1 "$HOT")
-        k1=$(( a < b ? a : b )); k2=$(( a < b ? b : a ))
+        ks=$( { rand 1 "$HOT"; rand 1 "$HOT"; rand 1 "$NKEYS"; } | sort -n | tr '\n' ' ')
+        read -r k1 k2 k3 <<<"$ks"
         end=COMMIT
         (( RANDOM % 100 < ROLLBACK_PCT )) && end=ROLLBACK
         if ! out=$(sql 2>&1 <<SQL
 BEGIN;
 SELECT adv_claim($k1, 'slow');
-SELECT pg_sleep($(rand 2 15) / 10.0);
+SELECT pg_sleep($(rand 2 10) / 10.0);
 SELECT adv_claim($k2, 'slow');
-SELECT pg_sleep($(rand 0 10) / 10.0);
+SELECT pg_sleep($(rand 2 10) / 10.0);
+SELECT adv_claim($k3, 'slow');
+SELECT pg_sleep($(rand 0 5) / 10.0);
 $end;
 SQL
         ); then
@@ -462,6 +479,7 @@ SQL
 maintain_loop & bg_pids+=($!)
 configure_loop & bg_pids+=($!)
 sampler_loop & bg_pids+=($!)
+slow_loop & bg_pids+=($!)
 slow_loop & bg_pids+=($!)
 slow_loop & bg_pids+=($!)
 
@@ -554,7 +572,7 @@ echo "transactions: $n_txn committed or rolled back by pgbench ($n_failed_txn fa
 echo "claim calls: $calls ($trues true, including rolled-back work); committed: $c_att on $c_keys keys, $c_true true, $c_false false"
 echo "effects: $c_eff on $c_eff_keys keys ($c_reproc of them reprocessing after a release in the same transaction)"
 echo "savepoints: $sp_rollbacks rolled back to; $c_spre committed re-claims after that, $c_spre_true of them true"
-echo "slow handlers (two claims over 0.2-2.5 s): $n_slow committed, $(grep -c ROLLBACK "$tmp/slow.log" || true) rolled back"
+echo "slow handlers (three claims over 0.4-2.5 s): $n_slow committed, $(grep -c ROLLBACK "$tmp/slow.log" || true) rolled back"
 echo "batches: $c_batches committed idem_claim_many calls over $c_batch_keys distinct keys"
 echo "releases: $rel_calls calls, $c_rel committed releases of an existing claim"
 echo "maintenance: $rounds rounds, max lag ${max_lag}s; partitions created $n_create, extended $n_extend, sealed $n_seal, dropped $n_drop, drops skipped (in use) $n_skip"
