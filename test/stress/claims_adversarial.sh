@@ -24,8 +24,8 @@
 #   - a maintenance loop runs idem_maintain() with random lag (sleeps of
 #     0-3 s, now and then longer), logging every action;
 #   - a configure loop changes the shape every 2-5 s: partition_interval
-#     1-3 s, retention 6-40 s (every other change at most 12 s, so drops
-#     happen), premake 1-10; half of the interval changes are timed to
+#     1-3 s, retention 6-40 s (the 1st, 3rd, ... change sets 6-12 s, so
+#     drops happen), premake 1-10; half of the interval changes are timed to
 #     land a few milliseconds before the first boundary of the new grid is
 #     one second ahead (so claimers already probe the premade partition the
 #     reshape replaces); a change refused with 22023 is logged, not a
@@ -44,9 +44,11 @@
 #             first;
 #   lost      a committed claim that returned false while neither an own
 #             claim nor another transaction's committed, unreleased effect
-#             existed (a release counts only when the effect's transaction is
-#             visible in the release's snapshot and the release's
-#             transaction is visible in the claim's snapshot);
+#             existed.  A committed idem_release that returned true forgets
+#             the key's claims made before it (deliberate reprocessing): it
+#             counts for an effect whose transaction is visible in the
+#             release's snapshot, when the release's transaction is visible in
+#             the claim's snapshot (or is the claim's own, earlier);
 #   mismatch  a committed true claim without exactly one effect, an effect
 #             without a true claim, a claim row in idempotency.claims for a
 #             key with fewer effects than claim rows;
@@ -373,8 +375,11 @@ configure_loop() {
         n=$((n + 1))
         nret=$ret niv=$iv npm=$pm a_ret=NULL a_iv=NULL a_pm=NULL
         while [[ $a_ret == NULL && $a_iv == NULL && $a_pm == NULL ]]; do
-            if (( RANDOM % 3 != 0 )); then
-                if (( n % 2 == 0 )); then nret=$(rand "$RET_FLOOR" 12); else nret=$(rand "$RET_FLOOR" "$RET_CEIL"); fi
+            if (( n % 2 == 1 )); then
+                nret=$(rand "$RET_FLOOR" 12)
+                a_ret="make_interval(secs => $nret)"
+            elif (( RANDOM % 3 != 0 )); then
+                nret=$(rand "$RET_FLOOR" "$RET_CEIL")
                 a_ret="make_interval(secs => $nret)"
             fi
             if (( RANDOM % 5 < 3 )); then
@@ -633,7 +638,10 @@ lost_sql="
 SELECT a.key, 'txid ' || a.txid || ' (' || a.via || ') got false at ' || to_char(a.t_before, 'HH24:MI:SS.MS'),
        coalesce((SELECT 'latest effect before: txid ' || e.txid || ' at ' || to_char(e.t_before, 'HH24:MI:SS.MS')
                  FROM adv_effects e WHERE e.key = a.key AND e.t_before < a.t_after
-                 ORDER BY e.t_before DESC LIMIT 1), 'no effect before')
+                 ORDER BY e.t_before DESC LIMIT 1), 'no effect before'),
+       coalesce((SELECT 'released by txid ' || r.txid || ' at ' || to_char(r.t_before, 'HH24:MI:SS.MS')
+                 FROM adv_releases r WHERE r.key = a.key AND r.t_before < a.t_after
+                 ORDER BY r.t_before DESC LIMIT 1), 'no release before')
 FROM adv_attempts a
 WHERE NOT a.claimed
   AND NOT EXISTS (SELECT FROM adv_attempts o WHERE o.txid = a.txid AND o.key = a.key
