@@ -85,7 +85,7 @@ RET_CEIL=40             # largest; retention/partition_interval stays <= 40
 SCOPE=adv
 
 RANDOM=$SEED
-started=$(date +%s.%N)
+started=${EPOCHREALTIME/,/.}
 tmp=$(mktemp -d)
 bg_pids=()
 cleanup() {
@@ -101,22 +101,24 @@ cleanup() {
 trap cleanup EXIT
 
 sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
-now_epoch() { date +%s.%N; }
+now_epoch() { echo "${EPOCHREALTIME/,/.}"; }
 # rand LO HI: a random integer in [LO, HI]
 rand() { echo $(( $1 + RANDOM % ($2 - $1 + 1) )); }
-# sleep_ms MS: a sleep that a TERM to the loop interrupts (see loop_traps)
+# now_ms: wall clock in milliseconds, without a fork
+now_ms() { local t=${EPOCHREALTIME/[.,]/}; echo $(( t / 1000 )); }
+# sleep_ms MS: sleep until MS milliseconds have passed (by the clock, so a
+# loaded machine does not stretch it) or the loops are told to stop
 sleep_ms() {
-    sleep "$(printf '%d.%03d' $(($1 / 1000)) $(($1 % 1000)))" &
-    sleeper=$!
-    wait "$sleeper" || true
-    sleeper=''
+    local end=$(( $(now_ms) + $1 )) left
+    while [[ ! -e $tmp/stop ]]; do
+        left=$(( end - $(now_ms) ))
+        (( left > 0 )) || break
+        (( left > 250 )) && left=250
+        sleep "0.$(printf '%03d' "$left")"
+    done
 }
-# in a background loop: on TERM, end at once when sleeping, or else after
-# the SQL in flight, so no statement of the loop outlives it
-loop_traps() {
-    sleeper=''
-    trap '[[ -n $sleeper ]] && kill "$sleeper" 2>/dev/null; exit 0' TERM
-}
+# background loops run until $tmp/stop exists; the SQL in flight finishes
+running() { [[ ! -e $tmp/stop ]]; }
 
 # ---------------------------------------------------------------- set-up
 init_ret=$(rand "$RET_FLOOR" 10)
@@ -133,7 +135,7 @@ SELECT idem_configure(retention => make_interval(secs => $init_ret),
 -- every configuration in force during the run, from when it was made
 CREATE TABLE adv_config (at timestamptz NOT NULL DEFAULT clock_timestamp(),
                          retention_s int NOT NULL, interval_s int NOT NULL,
-                         premake int NOT NULL, args text NOT NULL);
+                         premake int NOT NULL, args text NOT NULL, took_ms int);
 INSERT INTO adv_config (retention_s, interval_s, premake, args)
 VALUES ($init_ret, $init_iv, $init_pm, 'initial');
 
@@ -349,8 +351,7 @@ PGBENCH
 # maintenance with random lag; the log has "round EPOCH" and "EPOCH|action|object"
 maintain_loop() {
     local out
-    loop_traps
-    while :; do
+    while running; do
         echo "round $(now_epoch)" >>"$tmp/maintain.log"
         if out=$(sql -F '|' -c "SELECT extract(epoch FROM clock_timestamp()), action, object FROM idem_maintain()" 2>&1); then
             [[ -n $out ]] && printf '%s\n' "$out" >>"$tmp/maintain.log"
@@ -369,9 +370,9 @@ maintain_loop() {
 configure_loop() {
     local ret=$init_ret iv=$init_iv pm=$init_pm n=0
     local nret niv npm a_ret a_iv a_pm args out timing d
-    loop_traps
-    while :; do
+    while running; do
         sleep_ms "$(rand 2000 5000)"
+        running || break
         n=$((n + 1))
         nret=$ret niv=$iv npm=$pm a_ret=NULL a_iv=NULL a_pm=NULL
         while [[ $a_ret == NULL && $a_iv == NULL && $a_pm == NULL ]]; do
@@ -408,9 +409,11 @@ configure_loop() {
         if out=$(sql -v VERBOSITY=sqlstate 2>&1 <<SQL
 BEGIN;
 $timing;
+SELECT clock_timestamp() AS c0 \gset
 SELECT idem_configure(retention => $a_ret, partition_interval => $a_iv, premake => $a_pm);
-INSERT INTO adv_config (retention_s, interval_s, premake, args)
-VALUES ($nret, $niv, $npm, '$args');
+INSERT INTO adv_config (retention_s, interval_s, premake, args, took_ms)
+VALUES ($nret, $niv, $npm, '$args',
+        round(extract(epoch FROM clock_timestamp() - :'c0'::timestamptz) * 1000));
 COMMIT;
 SQL
         ); then
@@ -429,10 +432,10 @@ SQL
 # the run can configure must return false (rolled back, so it changes nothing)
 sampler_loop() {
     local window out
-    loop_traps
     window="$RET_FLOOR - $MARGIN"
-    while :; do
+    while running; do
         sleep_ms "$(rand 200 600)"
+        running || break
         if out=$(sql -F '|' 2>&1 <<SQL
 BEGIN;
 SELECT s.key, s.t_before, idem_claim(s.key, '$SCOPE')::int, clock_timestamp()
@@ -457,8 +460,7 @@ SQL
 # configuration changes, and claim again after them
 slow_loop() {
     local ks k1 k2 k3 out end
-    loop_traps
-    while :; do
+    while running; do
         ks=$( { rand 1 "$HOT"; rand 1 "$HOT"; rand 1 "$NKEYS"; } | sort -n | tr '\n' ' ')
         read -r k1 k2 k3 <<<"$ks"
         end=COMMIT
@@ -495,7 +497,7 @@ pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$RUN_SECONDS" --random-seed="$SEED
     -D hot="$HOT" -D nkeys="$NKEYS" -D rb_pct="$ROLLBACK_PCT" \
     -f "$tmp/single.sql@45" -f "$tmp/savepoint.sql@20" -f "$tmp/batch.sql@25" -f "$tmp/release.sql@10" \
     >"$tmp/pgbench.out" 2>&1 || rc=$?
-for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+touch "$tmp/stop"
 for p in "${bg_pids[@]}"; do wait "$p" 2>/dev/null || true; done
 bg_pids=()
 grep -E '^(number of transactions actually processed|number of failed|tps)' "$tmp/pgbench.out" | sed 's/^/  /' || true
@@ -583,7 +585,9 @@ echo "releases: $rel_calls calls, $c_rel committed releases of an existing claim
 echo "maintenance: $rounds rounds, max lag ${max_lag}s; partitions created $n_create, extended $n_extend, sealed $n_seal, dropped $n_drop, drops skipped (in use) $n_skip"
 echo "configure: $n_cfg_ok changes ($n_iv_changes of partition_interval), $n_cfg_refused refused with 22023; retention between ${ret_min}s and ${ret_max}s"
 sql -F ' ' -c "SELECT '  ' || to_char(at, 'HH24:MI:SS.MS'), 'retention=' || retention_s || 's', 'interval=' || interval_s || 's',
-                      'premake=' || premake, '(' || args || ')' FROM adv_config ORDER BY at"
+                      'premake=' || premake, '(' || args || coalesce(', took ' || took_ms || ' ms', '') || ')'
+               FROM adv_config ORDER BY at LIMIT 30"
+[[ $n_cfg_ok -lt 30 ]] || echo "  ... and $((n_cfg_ok - 29)) more"
 grep ' refused ' "$tmp/configure.log" | sed 's/^/  /' | head -n 5 || true
 echo "partitions after the last round: $parts_after"
 echo "sampler: $n_samples claims of keys younger than ${RET_FLOOR}s - ${MARGIN}s"
