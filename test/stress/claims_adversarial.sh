@@ -68,7 +68,8 @@
 #   IDEM_ADV_KEYS          all keys, hot ones included (default 50000)
 #   IDEM_ADV_ROLLBACK_PCT  whole-transaction rollbacks (default 15)
 #   IDEM_ADV_MARGIN        seconds of slack on retention windows (default 0.25)
-#   IDEM_ADV_SEED          random seed for pgbench and the loops
+#   IDEM_ADV_SEED          random seed of pgbench and of the initial shape (the
+#                          timing of the loops is not reproducible anyway)
 # The adv_* tables stay in the database for inspection (with IDEM_KEEP=1,
 # test/run-tests keeps the cluster).
 set -euo pipefail
