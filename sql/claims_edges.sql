@@ -179,6 +179,22 @@ SELECT idem_configure(retention => '1 day', partition_interval => '1 minute');
 \set VERBOSITY terse
 SELECT idem_configure(retention => '1 day', partition_interval => '15 minutes', premake => 2);
 
+-- 10. Raising the retention brings back a claim that had expired and was
+-- made again; releasing the key forgets both, so it can be claimed again.
+SET idempotency.debug_clock_offset = '65h';
+SELECT idem_configure(retention => '2 seconds', partition_interval => '1 second', premake => 3);
+SELECT idem_claim('rel', 'edges') AS first;
+SET idempotency.debug_clock_offset = 234005;
+SELECT count(*) > 0 AS sealed FROM idem_maintain() WHERE action = 'seal';
+SELECT idem_claim('rel', 'edges') AS after_expiry;
+SELECT idem_configure(retention => '60 seconds');
+SELECT count(*) AS rows_of_rel FROM idempotency.claims WHERE key = 'rel';
+BEGIN;
+SELECT idem_release('rel', 'edges') AS released;
+SELECT idem_claim('rel', 'edges') AS reprocess;
+COMMIT;
+SELECT count(*) AS rows_of_rel FROM idempotency.claims WHERE key = 'rel';
+
 -- nothing doubled on the way
 SELECT count(*) AS doubled FROM (
     SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;

@@ -944,7 +944,9 @@ idem_claimed(PG_FUNCTION_ARGS)
 
 /*
  * idem_release(key text, scope text = 'default'): forget the claim so the
- * key can be processed again; true if there was one.
+ * key can be processed again; true if there was one.  Every live row of the
+ * key goes: after retention was raised, a claim that had expired (and been
+ * made again) counts again, so there may be more than one.
  */
 Datum
 idem_release(PG_FUNCTION_ARGS)
@@ -952,6 +954,7 @@ idem_release(PG_FUNCTION_ARGS)
 	ClaimKey	ck;
 	SnapshotData dirty;
 	LOCKTAG		tag;
+	bool		released = false;
 
 	claim_key_args(fcinfo, 0, &ck);
 	check_claims_privilege(idem_partition_set(), ACL_DELETE, "release claims");
@@ -959,6 +962,7 @@ idem_release(PG_FUNCTION_ARGS)
 
 	InitDirtySnapshot(dirty);
 	value_locktag(&tag, &ck);
+	LockAcquire(&tag, ExclusiveLock, false, false);
 	for (;;)
 	{
 		IdemPartitionSet *set;
@@ -967,7 +971,6 @@ idem_release(PG_FUNCTION_ARGS)
 		TimestampTz now = idem_now();
 		bool		covers;
 
-		LockAcquire(&tag, ExclusiveLock, false, false);
 		set = idem_partition_set();
 		probe_set(set, idem_target_partition(set, now, &covers), now,
 				  &dirty, &ck, PROBE_ALL, &res);
@@ -975,20 +978,22 @@ idem_release(PG_FUNCTION_ARGS)
 		{
 			LockRelease(&tag, ExclusiveLock, false);
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
+			LockAcquire(&tag, ExclusiveLock, false, false);
 			continue;
 		}
 		if (res.status == PROBE_ABSENT)
-		{
-			LockRelease(&tag, ExclusiveLock, false);
-			PG_RETURN_BOOL(false);
-		}
+			break;
 
-		/* a claim made earlier in this very command must become deletable */
+		/*
+		 * A claim made earlier in this very command must become deletable;
+		 * a row we deleted is invisible to the next probe.
+		 */
 		CommandCounterIncrement();
 		heap = relation_open(res.relid, RowExclusiveLock);
 		simple_heap_delete(heap, &res.tid);
 		relation_close(heap, NoLock);
-		LockRelease(&tag, ExclusiveLock, false);
-		PG_RETURN_BOOL(true);
+		released = true;
 	}
+	LockRelease(&tag, ExclusiveLock, false);
+	PG_RETURN_BOOL(released);
 }
