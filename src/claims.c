@@ -438,33 +438,157 @@ claims_index(Relation heap, IdemPartition *part)
 
 /*---- probing ----*/
 
+/*---- partitions kept open for a call ----*/
+
+/*
+ * A partition opened for probes (AccessShareLock) or inserts
+ * (RowExclusiveLock).  A call keeps what it opened until it ends, so a
+ * batch opens each partition once, not once per key.
+ */
+typedef struct OpenPart
+{
+	Oid			relid;
+	LOCKMODE	mode;
+	Relation	heap;
+	Relation	index;			/* the (scope, key) index */
+	bool		has_digest;		/* the partition has the digest column */
+	TupleTableSlot *slot;
+	IndexScanDesc scan;			/* NULL until the first probe */
+	Snapshot	scan_snap;		/* the snapshot scan was begun with */
+	int			nindexes;		/* inserts: every index of the partition */
+	Relation   *indexes;
+	IndexInfo **infos;
+} OpenPart;
+
+#define CLAIM_CALL_PARTS	16
+
+typedef struct ClaimCall
+{
+	SnapshotData dirty;			/* the dirty snapshot of every probe */
+	int			nparts;
+	OpenPart	parts[CLAIM_CALL_PARTS];
+} ClaimCall;
+
+static void
+claim_call_init(ClaimCall *call)
+{
+	InitDirtySnapshot(call->dirty);
+	call->nparts = 0;
+}
+
+/* Close what the call opened (locks stay until the transaction ends). */
+static void
+claim_call_close(ClaimCall *call)
+{
+	for (int i = 0; i < call->nparts; i++)
+	{
+		OpenPart   *op = &call->parts[i];
+
+		if (op->scan != NULL)
+			index_endscan(op->scan);
+		ExecDropSingleTupleTableSlot(op->slot);
+		for (int j = 0; j < op->nindexes; j++)
+			index_close(op->indexes[j], NoLock);
+		index_close(op->index, NoLock);
+		relation_close(op->heap, NoLock);
+	}
+	call->nparts = 0;
+}
+
+/*
+ * Open every index of a partition for inserts.  Indexes with expressions or
+ * a predicate are refused: claims write index entries themselves.
+ */
+static void
+open_insert_indexes(OpenPart *op)
+{
+	List	   *oids = RelationGetIndexList(op->heap);
+	ListCell   *lc;
+
+	op->indexes = palloc(sizeof(Relation) * Max(list_length(oids), 1));
+	op->infos = palloc(sizeof(IndexInfo *) * Max(list_length(oids), 1));
+	op->nindexes = 0;
+	foreach(lc, oids)
+	{
+		Relation	index = index_open(lfirst_oid(lc), RowExclusiveLock);
+		IndexInfo  *info = BuildIndexInfo(index);
+
+		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL)
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("claims partition \"%s\" has index \"%s\" with expressions or a predicate",
+							RelationGetRelationName(op->heap), RelationGetRelationName(index)),
+					 errdetail("idem_claim() maintains only indexes on plain columns."),
+					 errhint("Drop the index, or index the columns themselves.")));
+		if (!info->ii_ReadyForInserts)
+		{
+			index_close(index, NoLock);
+			continue;
+		}
+		op->indexes[op->nindexes] = index;
+		op->infos[op->nindexes++] = info;
+	}
+	list_free(oids);
+}
+
+/* The partition opened in this mode, opening it if need be; NULL if gone. */
+static OpenPart *
+open_part(ClaimCall *call, IdemPartition *part, LOCKMODE mode)
+{
+	OpenPart   *op;
+	Relation	heap;
+
+	for (int i = 0; i < call->nparts; i++)
+		if (call->parts[i].relid == part->relid && call->parts[i].mode == mode)
+			return &call->parts[i];
+
+	heap = try_relation_open(part->relid, mode);
+	if (heap == NULL)
+		return NULL;
+	if (call->nparts == CLAIM_CALL_PARTS)
+		claim_call_close(call);
+	op = &call->parts[call->nparts++];
+	memset(op, 0, sizeof(OpenPart));
+	op->relid = part->relid;
+	op->mode = mode;
+	op->heap = heap;
+	op->index = index_open(claims_index(heap, part), mode);
+	op->has_digest = check_partition_columns(heap);
+	op->slot = table_slot_create(heap, NULL);
+	if (mode == RowExclusiveLock)
+		open_insert_indexes(op);
+	return op;
+}
+
 /*
  * Look for (scope, key) in one partition; false if absent or if the
  * partition is gone.  With a dirty snapshot, a claim being inserted or
  * deleted by another transaction is reported as busy.
  */
 static bool
-probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *res)
+probe_partition(ClaimCall *call, IdemPartition *part, Snapshot snap, ClaimKey *ck,
+				ProbeResult *res)
 {
-	Relation	heap;
-	Relation	index;
+	OpenPart   *op = open_part(call, part, AccessShareLock);
 	ScanKeyData skey[2];
-	IndexScanDesc scan;
 	TupleTableSlot *slot;
 	bool		found = false;
 
-	heap = try_relation_open(part->relid, AccessShareLock);
-	if (heap == NULL)
+	if (op == NULL)
 		return false;
-	index = index_open(claims_index(heap, part), AccessShareLock);
-
+	if (op->scan == NULL || op->scan_snap != snap)
+	{
+		if (op->scan != NULL)
+			index_endscan(op->scan);
+		op->scan = index_beginscan(op->heap, op->index, snap, 2, 0);
+		op->scan_snap = snap;
+	}
 	ScanKeyInit(&skey[0], 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->scope));
 	ScanKeyInit(&skey[1], 2, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->key));
-	slot = table_slot_create(heap, NULL);
-	scan = index_beginscan(heap, index, snap, 2, 0);
-	index_rescan(scan, skey, 2, NULL, 0);
+	index_rescan(op->scan, skey, 2, NULL, 0);
+	slot = op->slot;
 
-	if (index_getnext_slot(scan, ForwardScanDirection, slot))
+	if (index_getnext_slot(op->scan, ForwardScanDirection, slot))
 	{
 		found = true;
 		if (snap->snapshot_type == SNAPSHOT_DIRTY &&
@@ -478,8 +602,6 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			bool		isnull;
 			Datum		d;
 
-			bool		has_digest = check_partition_columns(heap);
-
 			res->status = PROBE_FOUND;
 			res->relid = part->relid;
 			res->tid = slot->tts_tid;
@@ -487,18 +609,14 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
 			d = slot_getattr(slot, Anum_claims_fingerprint, &isnull);
 			res->has_fingerprint = !isnull;
 			res->fingerprint = isnull ? 0 : DatumGetInt64(d);
-			d = has_digest ? slot_getattr(slot, Anum_claims_digest, &isnull) : (Datum) 0;
-			res->has_digest = has_digest && !isnull &&
+			d = op->has_digest ? slot_getattr(slot, Anum_claims_digest, &isnull) : (Datum) 0;
+			res->has_digest = op->has_digest && !isnull &&
 				VARSIZE_ANY_EXHDR(DatumGetByteaPP(d)) == PG_SHA256_DIGEST_LENGTH;
 			if (res->has_digest)
 				memcpy(res->digest, VARDATA_ANY(DatumGetByteaPP(d)), PG_SHA256_DIGEST_LENGTH);
 		}
 	}
-
-	index_endscan(scan);
-	ExecDropSingleTupleTableSlot(slot);
-	index_close(index, NoLock);
-	relation_close(heap, NoLock);
+	ExecClearTuple(slot);		/* let go of the buffer */
 	return found;
 }
 
@@ -510,14 +628,14 @@ probe_partition(IdemPartition *part, Snapshot snap, ClaimKey *ck, ProbeResult *r
  * would claim into; sealed ones unless expired or ruled out by their filter.
  */
 static void
-probe_set(IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
+probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
 		  Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
 	IdemPartition *oldest_open = NULL;
 
 	res->status = PROBE_ABSENT;
 	if (target != NULL && which != PROBE_SEALED &&
-		probe_partition(target, snap, ck, res))
+		probe_partition(call, target, snap, ck, res))
 		return;
 	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
 		if (!set->parts[i].sealed)
@@ -537,7 +655,7 @@ probe_set(IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
 		else if (which == PROBE_SEALED ||
 				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open))
 			continue;
-		if (probe_partition(p, snap, ck, res))
+		if (probe_partition(call, p, snap, ck, res))
 			return;
 	}
 }
@@ -570,41 +688,26 @@ value_locktag(LOCKTAG *tag, ClaimKey *ck)
 
 /* Insert into every index of the partition. */
 static void
-insert_index_entries(Relation heap, IdemPartition *part, Datum *values, bool *nulls,
-					 ItemPointer tid)
+insert_index_entries(OpenPart *op, Datum *values, bool *nulls, ItemPointer tid)
 {
-	Oid			uniqueid = claims_index(heap, part);
-	List	   *indexes = RelationGetIndexList(heap);
-	ListCell   *lc;
+	Oid			uniqueid = RelationGetRelid(op->index);
 
-	foreach(lc, indexes)
+	for (int i = 0; i < op->nindexes; i++)
 	{
-		Relation	index = index_open(lfirst_oid(lc), RowExclusiveLock);
-		IndexInfo  *info = BuildIndexInfo(index);
+		Relation	index = op->indexes[i];
+		IndexInfo  *info = op->infos[i];
 		Datum		ivalues[INDEX_MAX_KEYS];
 		bool		inulls[INDEX_MAX_KEYS];
 
-		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL)
-			ereport(ERROR,
-					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-					 errmsg("claims partition \"%s\" has index \"%s\" with expressions or a predicate",
-							RelationGetRelationName(heap), RelationGetRelationName(index)),
-					 errdetail("idem_claim() maintains only indexes on plain columns."),
-					 errhint("Drop the index, or index the columns themselves.")));
-		if (!info->ii_ReadyForInserts)
+		for (int j = 0; j < info->ii_NumIndexAttrs; j++)
 		{
-			index_close(index, RowExclusiveLock);
-			continue;
-		}
-		for (int i = 0; i < info->ii_NumIndexAttrs; i++)
-		{
-			AttrNumber	att = info->ii_IndexAttrNumbers[i];
+			AttrNumber	att = info->ii_IndexAttrNumbers[j];
 
-			if (att <= 0 || att > RelationGetDescr(heap)->natts)
+			if (att <= 0 || att > RelationGetDescr(op->heap)->natts)
 				elog(ERROR, "unexpected column %d in index \"%s\"", att,
 					 RelationGetRelationName(index));
-			ivalues[i] = values[att - 1];
-			inulls[i] = nulls[att - 1];
+			ivalues[j] = values[att - 1];
+			inulls[j] = nulls[att - 1];
 		}
 
 		/*
@@ -613,13 +716,11 @@ insert_index_entries(Relation heap, IdemPartition *part, Datum *values, bool *nu
 		 * fires unless the protocol is broken, and then an error beats a
 		 * doubled effect.
 		 */
-		index_insert(index, ivalues, inulls, tid, heap,
+		index_insert(index, ivalues, inulls, tid, op->heap,
 					 (RelationGetRelid(index) == uniqueid || info->ii_Unique) ?
 					 UNIQUE_CHECK_YES : UNIQUE_CHECK_NO,
 					 false, info);
-		index_close(index, NoLock);
 	}
-	list_free(indexes);
 }
 
 typedef enum InsertResult
@@ -634,17 +735,17 @@ typedef enum InsertResult
  * (the target may have been sealed or dropped meanwhile).
  */
 static InsertResult
-insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz now)
+insert_claim(ClaimCall *call, IdemPartition *part, uint64 generation, ClaimKey *ck,
+			 TimestampTz now)
 {
-	Relation	heap;
+	OpenPart   *op;
 	Datum	   *values;
 	bool	   *nulls;
 	HeapTuple	tup;
 	TupleDesc	desc;
-	bool		has_digest;
 
-	heap = try_relation_open(part->relid, RowExclusiveLock);
-	if (heap == NULL)
+	op = open_part(call, part, RowExclusiveLock);
+	if (op == NULL)
 		return INSERT_GONE;
 
 	/*
@@ -653,13 +754,9 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 	 * changed, look again ("part" may be freed here).
 	 */
 	if (idem_partition_set()->generation != generation)
-	{
-		relation_close(heap, NoLock);
 		return INSERT_CHANGED;
-	}
 
-	has_digest = check_partition_columns(heap);
-	desc = RelationGetDescr(heap);
+	desc = RelationGetDescr(op->heap);
 	values = palloc0(desc->natts * sizeof(Datum));
 	nulls = palloc(desc->natts * sizeof(bool));
 	memset(nulls, true, desc->natts * sizeof(bool));
@@ -670,7 +767,7 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 	nulls[Anum_claims_scope - 1] = false;
 	nulls[Anum_claims_key - 1] = false;
 	nulls[Anum_claims_claimed_at - 1] = false;
-	if (ck->has_digest && !has_digest)
+	if (ck->has_digest && !op->has_digest)
 	{
 		/* still at version 1.0: store its fingerprint */
 		values[Anum_claims_fingerprint - 1] = legacy_fingerprint(ck->payload);
@@ -687,13 +784,12 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
 	}
 
 	tup = heap_form_tuple(desc, values, nulls);
-	heap_insert(heap, tup, GetCurrentCommandId(true), 0, NULL);
-	insert_index_entries(heap, part, values, nulls, &tup->t_self);
+	heap_insert(op->heap, tup, GetCurrentCommandId(true), 0, NULL);
+	insert_index_entries(op, values, nulls, &tup->t_self);
 
 	heap_freetuple(tup);
 	pfree(values);
 	pfree(nulls);
-	relation_close(heap, NoLock);
 	return INSERT_DONE;
 }
 
@@ -702,13 +798,12 @@ insert_claim(IdemPartition *part, uint64 generation, ClaimKey *ck, TimestampTz n
  * committed claim exists, or this transaction already holds it.
  */
 static bool
-claim_key(ClaimKey *ck)
+claim_key(ClaimCall *call, ClaimKey *ck)
 {
-	SnapshotData dirty;
+	Snapshot	dirty = &call->dirty;
 	LOCKTAG		tag;
 	int			gone = 0;
 
-	InitDirtySnapshot(dirty);
 	value_locktag(&tag, ck);
 
 	for (;;)
@@ -724,7 +819,7 @@ claim_key(ClaimKey *ck)
 
 		/* 1. without the value lock: a committed claim is final */
 		target = idem_target_partition(set, now, &covers);
-		probe_set(set, target, now, &dirty, ck, PROBE_ALL, &res);
+		probe_set(call, set, target, now, dirty, ck, PROBE_ALL, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
@@ -753,12 +848,12 @@ claim_key(ClaimKey *ck)
 					 errmsg("idempotency.claims has no partition that can take claims"),
 					 errhint("Run SELECT idem_maintain() to create them.")));
 		}
-		probe_set(set, target, now, &dirty, ck,
+		probe_set(call, set, target, now, dirty, ck,
 				  set->generation == generation ? PROBE_OPEN : PROBE_ALL, &res);
 		generation = set->generation;
 		target_relid = target->relid;
 		if (res.status == PROBE_ABSENT)
-			ins = insert_claim(target, generation, ck, now);
+			ins = insert_claim(call, target, generation, ck, now);
 		LockRelease(&tag, ExclusiveLock, false);
 
 		if (ins == INSERT_DONE)
@@ -800,6 +895,8 @@ Datum
 idem_claim(PG_FUNCTION_ARGS)
 {
 	ClaimKey	ck;
+	ClaimCall	call;
+	bool		claimed;
 
 	claim_key_args(fcinfo, 0, &ck);
 	if (!PG_ARGISNULL(2))
@@ -809,7 +906,10 @@ idem_claim(PG_FUNCTION_ARGS)
 		ck.has_digest = true;
 	}
 	check_can_claim("idem_claim()");
-	PG_RETURN_BOOL(claim_key(&ck));
+	claim_call_init(&call);
+	claimed = claim_key(&call, &ck);
+	claim_call_close(&call);
+	PG_RETURN_BOOL(claimed);
 }
 
 /* Byte order of keys, for claiming a batch in a canonical order. */
@@ -854,6 +954,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	int		   *order;
 	bool	   *claimed;
 	ClaimKey	ck;
+	ClaimCall	call;
 
 	if (PG_ARGISNULL(0))
 		ereport(ERROR,
@@ -894,6 +995,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	qsort(order, nelems, sizeof(int), key_index_cmp);
 
 	/* claim in byte order, each distinct key once (at its first occurrence) */
+	claim_call_init(&call);
 	for (int j = 0; j < nelems; j++)
 	{
 		int			i = order[j];
@@ -903,8 +1005,9 @@ idem_claim_many(PG_FUNCTION_ARGS)
 			continue;			/* a repeat: claimed at its first occurrence */
 		ck.key = keys[i];
 		ck.hash = idem_key_hash(ck.scope, ck.key);
-		claimed[i] = claim_key(&ck);
+		claimed[i] = claim_key(&call, &ck);
 	}
+	claim_call_close(&call);
 
 	for (int i = 0; i < nelems; i++)
 	{
@@ -927,6 +1030,7 @@ Datum
 idem_claimed(PG_FUNCTION_ARGS)
 {
 	ClaimKey	ck;
+	ClaimCall	call;
 	ProbeResult res;
 	IdemPartitionSet *set;
 	TimestampTz now = idem_now();
@@ -935,8 +1039,10 @@ idem_claimed(PG_FUNCTION_ARGS)
 	claim_key_args(fcinfo, 0, &ck);
 	set = idem_partition_set();
 	check_claims_privilege(set, ACL_SELECT, "look up claims");
-	probe_set(set, idem_target_partition(set, now, &covers), now,
+	claim_call_init(&call);
+	probe_set(&call, set, idem_target_partition(set, now, &covers), now,
 			  GetActiveSnapshot(), &ck, PROBE_ALL, &res);
+	claim_call_close(&call);
 	if (res.status != PROBE_FOUND)
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(res.claimed_at);
@@ -952,7 +1058,7 @@ Datum
 idem_release(PG_FUNCTION_ARGS)
 {
 	ClaimKey	ck;
-	SnapshotData dirty;
+	ClaimCall	call;
 	LOCKTAG		tag;
 	bool		released = false;
 
@@ -960,7 +1066,7 @@ idem_release(PG_FUNCTION_ARGS)
 	check_claims_privilege(idem_partition_set(), ACL_DELETE, "release claims");
 	PreventCommandIfReadOnly("idem_release()");
 
-	InitDirtySnapshot(dirty);
+	claim_call_init(&call);
 	value_locktag(&tag, &ck);
 	LockAcquire(&tag, ExclusiveLock, false, false);
 	for (;;)
@@ -972,8 +1078,8 @@ idem_release(PG_FUNCTION_ARGS)
 		bool		covers;
 
 		set = idem_partition_set();
-		probe_set(set, idem_target_partition(set, now, &covers), now,
-				  &dirty, &ck, PROBE_ALL, &res);
+		probe_set(&call, set, idem_target_partition(set, now, &covers), now,
+				  &call.dirty, &ck, PROBE_ALL, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			LockRelease(&tag, ExclusiveLock, false);
@@ -995,5 +1101,6 @@ idem_release(PG_FUNCTION_ARGS)
 		released = true;
 	}
 	LockRelease(&tag, ExclusiveLock, false);
+	claim_call_close(&call);
 	PG_RETURN_BOOL(released);
 }

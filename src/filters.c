@@ -16,7 +16,9 @@
  *	- with shared_preload_libraries = 'idempotency': once per cluster, in a
  *	  shared area of idempotency.filter_memory, loaded from the registry on
  *	  first use and never reloaded (a sealed filter never changes);
- *	- otherwise: in each backend, up to idempotency.local_filter_memory.
+ *	- otherwise: in each backend, up to idempotency.local_filter_memory, and
+ *	  only for partitions the backend has looked at often enough to repay
+ *	  reading the filter (a short-lived connection probes indexes instead).
  * A filter that does not fit is not loaded, and its partition is probed
  * through its index instead; filter_status() reports it.
  *
@@ -74,6 +76,13 @@ typedef struct FilterHeader
 } FilterHeader;
 
 #define IDEM_FILTER_MAX_BITS	((uint32) 0xFFFFFE00)
+
+/*
+ * Without the shared area, a backend loads a partition's filter only after
+ * it has looked at the partition this often: a short-lived connection would
+ * spend longer reading every filter from the registry than probing indexes.
+ */
+#define IDEM_LOCAL_LOAD_AFTER	64
 
 /* Most filters the shared area lists (all databases together). */
 #define IDEM_FILTER_MAX_ENTRIES	4096
@@ -534,6 +543,8 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 			return;
 		}
 	}
+	if (filter_area == NULL && ++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
+		return;					/* not worth reading for this backend yet */
 
 	/* not in memory yet: load it from the registry, once */
 	stored = read_stored_filter(set, p);
@@ -578,6 +589,8 @@ idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 		if (p->filter_bits == NULL || p->filter_epoch != epoch)
 		{
 			resolve_filter(set, p);
+			if (p->filter_bits == NULL)
+				return true;	/* not in memory (yet): probe */
 			continue;
 		}
 		pg_read_barrier();

@@ -83,6 +83,7 @@ typedef struct IdemPartition
 	uint32		filter_nbits;
 	uint64		filter_epoch;
 	bool		filter_missing; /* not loadable now: probe instead */
+	uint32		local_lookups;	/* consulted without a filter in memory */
 } IdemPartition;
 
 typedef struct IdemPartitionSet
