@@ -21,8 +21,6 @@
 #   IDEM_NO_INSTALL=1   skip make install (extension already installed)
 #   IDEM_NO_PACKAGES=1  skip the Debian package check
 #   IDEM_KEEP=1   keep the temp dir (work copy, data dir, logs) on exit
-#   IDEM_TMPDIR   where the temp dir is made (default /tmp); it must be
-#                 reachable by the PostgreSQL user
 
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron
                postgresql-15-pgtap pgtap libipc-run-perl)
@@ -147,7 +145,7 @@ idem_ensure_packages() {
 # copy, $IDEM_WORK; pg_regress writes results/ there), build and install the
 # extension from it, then hand the temp dir to the PostgreSQL user.
 idem_build_install() {
-    IDEM_TMP=$(mktemp -d "${IDEM_TMPDIR:-/tmp}/idem.XXXXXX")
+    IDEM_TMP=$(mktemp -d /tmp/idem.XXXXXX)
     chmod 755 "$IDEM_TMP"
     IDEM_WORK=$IDEM_TMP/src
     mkdir "$IDEM_WORK"
