@@ -62,7 +62,6 @@ DAY=86400
 
 declare -A RES=() INFO=()
 preloaded=0
-tmp=$(mktemp -d)
 cleanup() {
     local rc=$?
     set +e
@@ -72,7 +71,6 @@ cleanup() {
     if [[ -z ${IDEM_SCALE_KEEP:-} ]]; then
         for s in $SHAPES; do psql -X -q -d postgres -c "DROP DATABASE IF EXISTS idem_scale_$s" >/dev/null 2>&1; done
     fi
-    rm -rf "$tmp"
     return $rc
 }
 trap cleanup EXIT
@@ -82,8 +80,8 @@ scaled() { awk -v n="$1" -v c="$CPP" 'BEGIN { v = int(n * c / 1050000 + 0.5); pr
 
 # ---------------------------------------------------------------- building
 
-# refuse_hourly DB: try the hourly shape, print the refusal (also to
-# $tmp/refusal), echo the interval (s) that its hint names
+# refuse_hourly DB: try the hourly shape, print the refusal, set INFO[c_refusal]
+# and INFO[c_interval] (the interval, in seconds, that its hint names)
 refuse_hourly() {
     local db=$1 out
     out=$(q -d "$db" <<'SQL'
@@ -107,8 +105,8 @@ SQL
         echo "    HINT: $hint"
     } >&2
     [[ $st == 22023 ]] || { echo "shape c: expected SQLSTATE 22023, got $st" >&2; return 1; }
-    echo "SQLSTATE $st: $msg; HINT: $hint" >"$tmp/refusal"
-    sed -n 's/.*at least \([0-9]*\) seconds.*/\1/p' <<<"$hint"
+    INFO[c_refusal]="SQLSTATE $st: $msg; HINT: $hint"
+    INFO[c_interval]=$(sed -n 's/.*at least \([0-9]*\) seconds.*/\1/p' <<<"$hint")
 }
 
 # build_shape NAME RETENTION_S INTERVAL_S PER_PARTITION SPAN_S
@@ -127,11 +125,10 @@ CREATE TABLE bench_plain (scope text, key text, claimed_at timestamptz DEFAULT n
                           PRIMARY KEY (scope, key));
 SQL
     if [[ $name == c ]]; then
-        ivl=$(refuse_hourly "$db")
+        refuse_hourly "$db"
+        ivl=${INFO[c_interval]}
         [[ -n $ivl ]] || { echo "shape c: no interval in the hint" >&2; return 1; }
         per=$(awk -v n="$(scaled 3600000)" -v i="$ivl" -v r="$ret" 'BEGIN { printf "%d", n * i / r + 0.5 }')
-        INFO[c_interval]=$ivl
-        INFO[c_refusal]=$(cat "$tmp/refusal")
     fi
     q -d "$db" >/dev/null <<SQL
 SET idempotency.debug_clock_offset = $off;
