@@ -3,13 +3,20 @@
 # Settings: IDEM_BENCH_ROUNDS (default 5), IDEM_BENCH_SECONDS per round
 # (default 5), IDEM_BENCH_CLIENTS (default 2).
 #
-# bench_tps SCRIPT        one pgbench round of test/bench/SCRIPT; prints its tps
+# bench_tps SCRIPT [PGBENCH_ARGS...]
+#                         one pgbench round of test/bench/SCRIPT; prints its tps
 #                         (-M prepared, synchronous_commit = off: the commit
-#                         flush would hide CPU cost)
+#                         flush would hide CPU cost); extra arguments (e.g. -C,
+#                         -D name=value) go to pgbench
 # bench_median N...       median of the numbers
 # bench_ratio LABEL CAND_NAME CAND_TPS... -- BASE_NAME BASE_TPS...
 #                         prints "LABEL: CAND x tps vs BASE y tps = r.rrx" from
 #                         the medians (test/bench/run collects these lines)
+# bench_restart [NAME=VALUE...]
+#                         ALTER SYSTEM SET each setting (NAME=  resets it; a
+#                         VALUE with commas is a list: 'a', 'b'), then
+#                         restart the server test/bench/run started (needs
+#                         IDEM_DATA and IDEM_BINDIR, which it exports)
 
 ROUNDS=${IDEM_BENCH_ROUNDS:-5}
 SECS=${IDEM_BENCH_SECONDS:-5}
@@ -17,10 +24,11 @@ CLIENTS=${IDEM_BENCH_CLIENTS:-2}
 bench_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 bench_tps() {
-    local out
+    local out script=$1
+    shift
     out=$(PGOPTIONS="${PGOPTIONS:-} -c synchronous_commit=off" pgbench -n -M prepared \
-        -c "$CLIENTS" -j "$CLIENTS" -T "$SECS" -f "$bench_dir/$1" 2>&1) ||
-        { echo "$out" >&2; echo "pgbench failed on $1" >&2; return 1; }
+        -c "$CLIENTS" -j "$CLIENTS" -T "$SECS" "$@" -f "$bench_dir/$script" 2>&1) ||
+        { echo "$out" >&2; echo "pgbench failed on $script" >&2; return 1; }
     sed -n 's/^tps = \([0-9.]*\) .*/\1/p' <<<"$out" | head -n 1
 }
 
@@ -40,4 +48,24 @@ bench_ratio() {
     awk -v l="$label" -v cn="$cname" -v bn="$bname" \
         -v c="$(bench_median "${c[@]}")" -v b="$(bench_median "${b[@]}")" \
         'BEGIN { printf "%s: %s %.0f tps vs %s %.0f tps = %.2fx\n", l, cn, c, bn, b, c / b }'
+}
+
+bench_restart() {
+    local kv name value
+    [[ -n ${IDEM_DATA:-} && -n ${IDEM_BINDIR:-} ]] ||
+        { echo "bench_restart: IDEM_DATA/IDEM_BINDIR not set (run through test/bench/run)" >&2; return 1; }
+    for kv in "$@"; do
+        name=${kv%%=*} value=${kv#*=}
+        if [[ -z $value ]]; then
+            psql -X -q -v ON_ERROR_STOP=1 -c "ALTER SYSTEM RESET $name" >/dev/null
+        else
+            # a comma-separated VALUE is a list: 'a', 'b'
+            psql -X -q -v ON_ERROR_STOP=1 -c "ALTER SYSTEM SET $name = '${value//,/"', '"}'" >/dev/null
+        fi
+    done
+    "$IDEM_BINDIR/pg_ctl" -D "$IDEM_DATA" ${IDEM_LOG:+-l "$IDEM_LOG"} -m fast -w -t 120 restart >/dev/null || {
+        [[ -n ${IDEM_LOG:-} ]] && tail -n 20 "$IDEM_LOG" >&2
+        echo "bench_restart: the server did not restart" >&2
+        return 1
+    }
 }
