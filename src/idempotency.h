@@ -98,20 +98,28 @@ typedef struct IdemPartitionSet
 	IdemPartition *parts;		/* sorted by lower, newest first */
 } IdemPartitionSet;
 
-/* Settings as stored (seconds), with their defaults and bounds. */
+/*
+ * Settings: in seconds, and as stored (intervals are kept as given).  The
+ * defaults and bounds below are the only place they are written down: the
+ * SQL objects ask idempotency.current_settings(), and messages print these.
+ */
 typedef struct IdemSettings
 {
 	int64		retention;
 	int64		interval;
 	int			premake;
+	Interval	retention_iv;
+	Interval	interval_iv;
 } IdemSettings;
 
 #define IDEM_DEFAULT_RETENTION_SECS	(7 * SECS_PER_DAY)
 #define IDEM_DEFAULT_INTERVAL_SECS	SECS_PER_DAY
 #define IDEM_DEFAULT_PREMAKE		4
 #define IDEM_MAX_PREMAKE			1000
-#define IDEM_MAX_INTERVAL_SECS		(10 * DAYS_PER_YEAR * SECS_PER_DAY)
-#define IDEM_MAX_RETENTION_SECS		(100 * DAYS_PER_YEAR * SECS_PER_DAY)
+#define IDEM_MAX_INTERVAL_YEARS		10
+#define IDEM_MAX_RETENTION_YEARS	100
+#define IDEM_MAX_INTERVAL_SECS		((int64) IDEM_MAX_INTERVAL_YEARS * DAYS_PER_YEAR * SECS_PER_DAY)
+#define IDEM_MAX_RETENTION_SECS		((int64) IDEM_MAX_RETENTION_YEARS * DAYS_PER_YEAR * SECS_PER_DAY)
 
 extern IdemPartitionSet *idem_partition_set(void);
 extern IdemPartitionSet *idem_partition_set_fresh(void);

@@ -54,6 +54,7 @@
 PG_FUNCTION_INFO_V1(idem_partition_cache_invalidate);
 PG_FUNCTION_INFO_V1(idem_registry_changed);
 PG_FUNCTION_INFO_V1(idem_cached_partitions);
+PG_FUNCTION_INFO_V1(idem_current_settings);
 
 /* Registry columns */
 #define Anum_registry_relid		1
@@ -171,24 +172,40 @@ open_internal(Oid relid)
 	return rel;
 }
 
+/* A whole number of seconds as an interval of days and time. */
+static Interval
+seconds_interval(int64 secs)
+{
+	Interval	iv;
+
+	iv.month = 0;
+	iv.day = (int32) (secs / SECS_PER_DAY);
+	iv.time = (secs % SECS_PER_DAY) * USECS_PER_SEC;
+	return iv;
+}
+
 static IdemSettings
 settings_from_scan(Relation rel, Snapshot snap)
 {
-	IdemSettings s = {IDEM_DEFAULT_RETENTION_SECS, IDEM_DEFAULT_INTERVAL_SECS,
-	IDEM_DEFAULT_PREMAKE};
+	IdemSettings s;
 	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
 	HeapTuple	tup = heap_getnext(scan, ForwardScanDirection);
 
+	s.retention_iv = seconds_interval(IDEM_DEFAULT_RETENTION_SECS);
+	s.interval_iv = seconds_interval(IDEM_DEFAULT_INTERVAL_SECS);
+	s.premake = IDEM_DEFAULT_PREMAKE;
 	if (tup != NULL)
 	{
 		TupleDesc	desc = RelationGetDescr(rel);
 		bool		isnull;
 
-		s.retention = idem_interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_retention, desc, &isnull)));
-		s.interval = idem_interval_seconds(DatumGetIntervalP(heap_getattr(tup, Anum_settings_interval, desc, &isnull)));
+		s.retention_iv = *DatumGetIntervalP(heap_getattr(tup, Anum_settings_retention, desc, &isnull));
+		s.interval_iv = *DatumGetIntervalP(heap_getattr(tup, Anum_settings_interval, desc, &isnull));
 		s.premake = DatumGetInt32(heap_getattr(tup, Anum_settings_premake, desc, &isnull));
 	}
 	table_endscan(scan);
+	s.retention = idem_interval_seconds(&s.retention_iv);
+	s.interval = idem_interval_seconds(&s.interval_iv);
 	return s;
 }
 
@@ -461,4 +478,28 @@ idem_cached_partitions(PG_FUNCTION_ARGS)
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	return (Datum) 0;
+}
+
+/*
+ * idempotency.current_settings(): the settings in force, the defaults where
+ * idempotency.settings has no row, as this transaction sees them.
+ */
+Datum
+idem_current_settings(PG_FUNCTION_ARGS)
+{
+	TupleDesc	desc;
+	IdemSettings s = idem_read_settings(GetActiveSnapshot());
+	Datum		values[3];
+	bool		nulls[3] = {false, false, false};
+	Interval   *retention = palloc(sizeof(Interval));
+	Interval   *interval = palloc(sizeof(Interval));
+
+	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	*retention = s.retention_iv;
+	*interval = s.interval_iv;
+	values[0] = IntervalPGetDatum(retention);
+	values[1] = IntervalPGetDatum(interval);
+	values[2] = Int32GetDatum(s.premake);
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, values, nulls)));
 }

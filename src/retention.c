@@ -639,11 +639,11 @@ validate_settings(const IdemSettings *s)
 	if (s->interval > IDEM_MAX_INTERVAL_SECS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("partition_interval must not exceed 10 years")));
+				 errmsg("partition_interval must not exceed %d years", IDEM_MAX_INTERVAL_YEARS)));
 	if (s->retention > IDEM_MAX_RETENTION_SECS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("retention must not exceed 100 years")));
+				 errmsg("retention must not exceed %d years", IDEM_MAX_RETENTION_YEARS)));
 	if (s->retention < s->interval)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -689,7 +689,6 @@ idem_configure(PG_FUNCTION_ARGS)
 	int64		old_interval;
 	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
 	Datum		values[3];
-	char		nulls[3];
 	int			nestlevel;
 
 	check_maintenance_privilege("configure idempotency");
@@ -702,35 +701,30 @@ idem_configure(PG_FUNCTION_ARGS)
 	s = idem_read_settings(GetLatestSnapshot());
 	old_interval = s.interval;
 	if (!PG_ARGISNULL(0))
-		s.retention = idem_interval_seconds(PG_GETARG_INTERVAL_P(0));
+		s.retention_iv = *PG_GETARG_INTERVAL_P(0);
 	if (!PG_ARGISNULL(1))
 	{
-		Interval   *iv = PG_GETARG_INTERVAL_P(1);
-
-		if (iv->time % USECS_PER_SEC != 0)
+		s.interval_iv = *PG_GETARG_INTERVAL_P(1);
+		if (s.interval_iv.time % USECS_PER_SEC != 0)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("partition_interval must be a whole number of seconds")));
-		s.interval = idem_interval_seconds(iv);
 	}
 	if (!PG_ARGISNULL(2))
 		s.premake = PG_GETARG_INT32(2);
+	s.retention = idem_interval_seconds(&s.retention_iv);
+	s.interval = idem_interval_seconds(&s.interval_iv);
 	validate_settings(&s);
 
-	/* store intervals as given (NULL keeps the stored or default value) */
-	for (int i = 0; i < 3; i++)
-	{
-		values[i] = PG_GETARG_DATUM(i);
-		nulls[i] = PG_ARGISNULL(i) ? 'n' : ' ';
-	}
-	if (SPI_execute_with_args("INSERT INTO idempotency.settings AS s (retention, partition_interval, premake)"
-							  " VALUES (coalesce($1, interval '7 days'), coalesce($2, interval '1 day'),"
-							  "         coalesce($3, 4))"
+	/* store intervals as given; NULL kept the stored (or default) value */
+	values[0] = IntervalPGetDatum(&s.retention_iv);
+	values[1] = IntervalPGetDatum(&s.interval_iv);
+	values[2] = Int32GetDatum(s.premake);
+	if (SPI_execute_with_args("INSERT INTO idempotency.settings (retention, partition_interval, premake)"
+							  " VALUES ($1, $2, $3)"
 							  " ON CONFLICT (singleton) DO UPDATE"
-							  " SET retention = coalesce($1, s.retention),"
-							  "     partition_interval = coalesce($2, s.partition_interval),"
-							  "     premake = coalesce($3, s.premake)",
-							  3, types, values, nulls, false, 0) != SPI_OK_INSERT)
+							  " SET retention = $1, partition_interval = $2, premake = $3",
+							  3, types, values, NULL, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not update idempotency.settings");
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);

@@ -8,13 +8,15 @@
 CREATE SCHEMA idempotency;
 COMMENT ON SCHEMA idempotency IS 'tables, views and internals of the idempotency extension';
 
--- At most one row; no row means every setting has its default.  Kept by
--- pg_dump (configuration table), so settings survive dump and restore.
+-- At most one row, written by idem_configure(); no row means every setting
+-- has its default (idempotency.current_settings() shows what is in force;
+-- the defaults live in the library only).  Kept by pg_dump (configuration
+-- table), so settings survive dump and restore.
 CREATE TABLE idempotency.settings (
     singleton          boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    retention          interval NOT NULL DEFAULT '7 days',
-    partition_interval interval NOT NULL DEFAULT '1 day',
-    premake            integer  NOT NULL DEFAULT 4
+    retention          interval NOT NULL,
+    partition_interval interval NOT NULL,
+    premake            integer  NOT NULL
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.settings', '');
 
@@ -50,6 +52,14 @@ CREATE TRIGGER settings_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.settings
     FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
 ALTER TABLE idempotency.settings ENABLE ALWAYS TRIGGER settings_changed;
+
+-- The settings in force: the stored row, or the defaults.
+CREATE FUNCTION idempotency.current_settings(
+        OUT retention interval, OUT partition_interval interval, OUT premake integer)
+    RETURNS record
+    AS 'MODULE_PATHNAME', 'idem_current_settings' LANGUAGE C STABLE;
+COMMENT ON FUNCTION idempotency.current_settings() IS
+    'retention, partition_interval and premake in force (the defaults when none were configured)';
 
 -- This backend's view of the registry, and where filters are held.
 CREATE FUNCTION idempotency.cached_partitions(

@@ -38,7 +38,6 @@ SELECT r.relid AS partition,
        r.bloom IS NOT NULL AS has_bloom_filter,
        pg_catalog.pg_total_relation_size(r.relid) AS bytes
 FROM idempotency.partition_registry r
-CROSS JOIN (SELECT coalesce((SELECT retention FROM idempotency.settings),
-                            interval '7 days') AS retention) s;
+CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
     'time partitions of idempotency.claims with range, state and size';

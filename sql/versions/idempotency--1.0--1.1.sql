@@ -86,6 +86,19 @@ COMMENT ON FUNCTION idempotency.filter_status() IS
 ALTER TABLE idempotency.claims ADD COLUMN digest bytea;
 REVOKE ALL ON FUNCTION idempotency.claims_read_only() FROM PUBLIC;
 
+-- settings: the defaults live in the library only
+ALTER TABLE idempotency.settings
+    ALTER COLUMN retention DROP DEFAULT,
+    ALTER COLUMN partition_interval DROP DEFAULT,
+    ALTER COLUMN premake DROP DEFAULT;
+
+CREATE FUNCTION idempotency.current_settings(
+        OUT retention interval, OUT partition_interval interval, OUT premake integer)
+    RETURNS record
+    AS 'MODULE_PATHNAME', 'idem_current_settings' LANGUAGE C STABLE;
+COMMENT ON FUNCTION idempotency.current_settings() IS
+    'retention, partition_interval and premake in force (the defaults when none were configured)';
+
 -- the partitions view gains columns in the middle: drop and create it
 DROP VIEW idempotency.partitions;
 CREATE VIEW idempotency.partitions AS
@@ -105,7 +118,6 @@ SELECT r.relid AS partition,
        r.bloom IS NOT NULL AS has_bloom_filter,
        pg_catalog.pg_total_relation_size(r.relid) AS bytes
 FROM idempotency.partition_registry r
-CROSS JOIN (SELECT coalesce((SELECT retention FROM idempotency.settings),
-                            interval '7 days') AS retention) s;
+CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
     'time partitions of idempotency.claims with range, state and size';
