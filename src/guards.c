@@ -55,7 +55,7 @@
  *	  the conflicting row locked when it declines to update it, so the
  *	  second statement sees the same row version).
  *
- * Counters are per backend (guard_counters below, exposed through
+ * Counters are per backend (idem_guard_counts below, exposed through
  * idempotency.guard_stats()); no shared memory is used here.
  *
  *-------------------------------------------------------------------------
@@ -140,7 +140,7 @@ static const struct config_enum_entry guard_log_level_options[] = {
 
 /*---- per-backend counters ----*/
 
-static IdemGuardCounters guard_counters;
+static IdemGuardCounters idem_guard_counts;
 
 /*---- function declarations ----*/
 
@@ -213,12 +213,12 @@ typedef struct GuardTrigState
 void
 idem_guard_counters(IdemGuardCounters *out)
 {
-	*out = guard_counters;
+	*out = idem_guard_counts;
 }
 
 /* Is typid (a base type) one a version column may have? */
 static bool
-version_type_ok(Oid typid)
+idem_version_type_ok(Oid typid)
 {
 	switch (typid)
 	{
@@ -235,9 +235,9 @@ version_type_ok(Oid typid)
 }
 
 static void
-check_version_type(Oid atttypid, const char *colname, Oid relid)
+idem_check_version_type(Oid atttypid, const char *colname, Oid relid)
 {
-	if (!version_type_ok(getBaseType(atttypid)))
+	if (!idem_version_type_ok(getBaseType(atttypid)))
 		ereport(ERROR,
 				(errcode(ERRCODE_DATATYPE_MISMATCH),
 				 errmsg("version column \"%s\" of relation \"%s\" has unsupported type %s",
@@ -294,7 +294,7 @@ version_cmp(Oid typid, Datum a, Datum b)
  * good; -infinity goes with them, so that a version is simply a finite value.
  */
 static bool
-version_finite(Oid typid, Datum v)
+idem_version_finite(Oid typid, Datum v)
 {
 	switch (typid)
 	{
@@ -311,12 +311,12 @@ version_finite(Oid typid, Datum v)
 
 /* Raise 22023 unless v (non-null, of base type typid) is finite. */
 static void
-check_version_finite(Oid typid, Datum v, const char *colname, const char *relname)
+idem_check_version_finite(Oid typid, Datum v, const char *colname, const char *relname)
 {
 	Oid			outfn;
 	bool		isvarlena;
 
-	if (version_finite(typid, v))
+	if (idem_version_finite(typid, v))
 		return;
 	getTypeOutputInfo(typid, &outfn, &isvarlena);
 	ereport(ERROR,
@@ -333,7 +333,7 @@ check_version_finite(Oid typid, Datum v, const char *colname, const char *relnam
  * no version yet: any version raises it.
  */
 static bool
-version_raised(Oid typid, Datum newv, Datum oldv, bool oldnull)
+idem_version_raised(Oid typid, Datum newv, Datum oldv, bool oldnull)
 {
 	if (oldnull)
 		return true;
@@ -344,7 +344,7 @@ version_raised(Oid typid, Datum newv, Datum oldv, bool oldnull)
 
 /* "stored - incoming" as text, for the log line of a skip. */
 static char *
-version_gap(Oid typid, Datum stored, Datum incoming)
+idem_version_gap(Oid typid, Datum stored, Datum incoming)
 {
 	switch (typid)
 	{
@@ -437,8 +437,8 @@ parse_mode(const char *mode, const char *argname)
  * column: 42883, as PostgreSQL says for DISTINCT on such a type.
  */
 static void
-state_type_init(StateType *stt, Oid typid, int32 typmod, Oid collation,
-				const char *colname, MemoryContext cxt)
+idem_state_type_init(StateType *stt, Oid typid, int32 typmod, Oid collation,
+					 const char *colname, MemoryContext cxt)
 {
 	TypeCacheEntry *tc = lookup_type_cache(getBaseType(typid), TYPECACHE_EQ_OPR_FINFO);
 
@@ -457,7 +457,7 @@ state_type_init(StateType *stt, Oid typid, int32 typmod, Oid collation,
 }
 
 static bool
-state_eq(StateType *stt, Datum a, Datum b)
+idem_state_eq(StateType *stt, Datum a, Datum b)
 {
 	return DatumGetBool(FunctionCall2Coll(&stt->eqfn, stt->collation, a, b));
 }
@@ -497,7 +497,7 @@ state_parse(StateType *stt, const char *state)
  * current memory context.
  */
 static StateMap *
-statemap_build(Jsonb *jb, StateType *stt)
+idem_statemap_build(Jsonb *jb, StateType *stt)
 {
 	JsonbIterator *it;
 	JsonbValue	v;
@@ -587,17 +587,17 @@ statemap_build(Jsonb *jb, StateType *stt)
  * to from is looked at.
  */
 static bool
-statemap_allows(StateMap *m, StateType *stt, Datum from, Datum to)
+idem_statemap_allows(StateMap *m, StateType *stt, Datum from, Datum to)
 {
 	int			i,
 				j;
 
 	for (i = 0; i < m->nstates; i++)
 	{
-		if (!state_eq(stt, from, m->from[i]))
+		if (!idem_state_eq(stt, from, m->from[i]))
 			continue;
 		for (j = 0; j < m->ntargets[i]; j++)
-			if (state_eq(stt, to, m->targets[i][j]))
+			if (idem_state_eq(stt, to, m->targets[i][j]))
 				return true;
 	}
 	return false;
@@ -622,7 +622,7 @@ check_not_generated(char attgenerated, const char *colname, const char *relname)
 
 /* The enabled-or-not guard trigger called name on rel, as the guards make it. */
 static Trigger *
-find_guard_trigger(Relation rel, const char *name)
+idem_find_guard_trigger(Relation rel, const char *name)
 {
 	TriggerDesc *trigdesc = rel->trigdesc;
 	int			nargs = strcmp(name, VERSION_TRIGGER_NAME) == 0 ? 2 : 3;
@@ -692,7 +692,7 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 	check_not_generated(att->attgenerated, NameStr(att->attname),
 						RelationGetRelationName(td->tg_relation));
 	if (kind == GUARD_VERSION)
-		check_version_type(att->atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
+		idem_check_version_type(att->atttypid, tg->tgargs[0], RelationGetRelid(td->tg_relation));
 
 	if (st == NULL)
 		st = MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(GuardTrigState));
@@ -710,7 +710,7 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 		st->raise = parse_mode(tg->tgargs[1], "on_stale");
 	else
 	{
-		Trigger    *vtg = find_guard_trigger(td->tg_relation, VERSION_TRIGGER_NAME);
+		Trigger    *vtg = idem_find_guard_trigger(td->tg_relation, VERSION_TRIGGER_NAME);
 		MemoryContext oldcxt;
 
 		st->raise = parse_mode(tg->tgargs[2], "on_invalid");
@@ -718,11 +718,11 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 		st->cxt = AllocSetContextCreate(fcinfo->flinfo->fn_mcxt, "idempotency transition map",
 										ALLOCSET_SMALL_SIZES);
 		oldcxt = MemoryContextSwitchTo(st->cxt);
-		state_type_init(&st->stt, att->atttypid, att->atttypmod, att->attcollation,
-						NameStr(att->attname), st->cxt);
-		st->map = statemap_build(DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
-																	CStringGetDatum(tg->tgargs[1]))),
-								 &st->stt);
+		idem_state_type_init(&st->stt, att->atttypid, att->atttypmod, att->attcollation,
+							 NameStr(att->attname), st->cxt);
+		st->map = idem_statemap_build(DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
+																		 CStringGetDatum(tg->tgargs[1]))),
+									  &st->stt);
 		MemoryContextSwitchTo(oldcxt);
 
 		/* with a version guard beside it, the version tells a repeat from news */
@@ -731,7 +731,7 @@ guard_trig_state(FunctionCallInfo fcinfo, GuardKind kind)
 			int			vatt = SPI_fnumber(tupdesc, vtg->tgargs[0]);
 
 			if (vatt > 0 &&
-				version_type_ok(getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid)))
+				idem_version_type_ok(getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid)))
 			{
 				st->verattnum = vatt;
 				st->vertypid = getBaseType(TupleDescAttr(tupdesc, vatt - 1)->atttypid);
@@ -770,23 +770,23 @@ idem_version_guard(PG_FUNCTION_ARGS)
 						NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
 						RelationGetRelationName(rel)),
 				 errdetail("A version-guarded table needs a version on every update.")));
-	check_version_finite(st->typid, newv,
-						 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
-						 RelationGetRelationName(rel));
+	idem_check_version_finite(st->typid, newv,
+							  NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+							  RelationGetRelationName(rel));
 	oldv = heap_getattr(oldtup, st->attnum, tupdesc, &oldnull);
 
-	if (version_raised(st->typid, newv, oldv, oldnull))
+	if (idem_version_raised(st->typid, newv, oldv, oldnull))
 		return PointerGetDatum(newtup);
 
 	/* stale or equal: leave the row as it is, or refuse */
 	if (st->raise)
 	{
-		guard_counters.stale_rejected++;
+		idem_guard_counts.stale_rejected++;
 		elevel = ERROR;
 	}
 	else
 	{
-		guard_counters.stale_skipped++;
+		idem_guard_counts.stale_skipped++;
 		elevel = guard_log_level;
 	}
 
@@ -804,7 +804,7 @@ idem_version_guard(PG_FUNCTION_ARGS)
 							 key ? "new" : "New",
 							 colname, OutputFunctionCall(&st->outfn, newv),
 							 OutputFunctionCall(&st->outfn, oldv),
-							 version_gap(st->typid, oldv, newv));
+							 idem_version_gap(st->typid, oldv, newv));
 		else
 			appendStringInfo(&detail, "%s %s is not greater than the stored one.",
 							 key ? "new" : "New", colname);
@@ -851,7 +851,7 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 
 	/* the state it already has */
 	if ((oldnull && newnull) ||
-		(!oldnull && !newnull && state_eq(&st->stt, oldd, newd)))
+		(!oldnull && !newnull && idem_state_eq(&st->stt, oldd, newd)))
 	{
 		/*
 		 * Beside a version guard, an update that raises the version is news
@@ -867,11 +867,11 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 
 			newv = heap_getattr(newtup, st->verattnum, tupdesc, &newvnull);
 			oldv = heap_getattr(oldtup, st->verattnum, tupdesc, &oldvnull);
-			if (!newvnull && version_finite(st->vertypid, newv) &&
-				version_raised(st->vertypid, newv, oldv, oldvnull))
+			if (!newvnull && idem_version_finite(st->vertypid, newv) &&
+				idem_version_raised(st->vertypid, newv, oldv, oldvnull))
 				return PointerGetDatum(newtup);
 		}
-		guard_counters.already_applied++;
+		idem_guard_counts.already_applied++;
 		if (message_level_is_interesting(guard_log_level))
 			ereport(guard_log_level,
 					(errmsg("skipped already-applied transition of relation \"%s\" to state %s",
@@ -884,17 +884,17 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 	/* a row without a state yet may take any state */
 	if (oldnull)
 		return PointerGetDatum(newtup);
-	if (!newnull && statemap_allows(st->map, &st->stt, oldd, newd))
+	if (!newnull && idem_statemap_allows(st->map, &st->stt, oldd, newd))
 		return PointerGetDatum(newtup);
 
 	if (st->raise)
 	{
-		guard_counters.invalid_rejected++;
+		idem_guard_counts.invalid_rejected++;
 		elevel = ERROR;
 	}
 	else
 	{
-		guard_counters.invalid_skipped++;
+		idem_guard_counts.invalid_skipped++;
 		elevel = guard_log_level;
 		if (!message_level_is_interesting(elevel))
 			return PointerGetDatum(NULL);
@@ -924,7 +924,7 @@ idem_transition_guard(PG_FUNCTION_ARGS)
  */
 
 static void
-check_not_null(FunctionCallInfo fcinfo, int argno, const char *argname)
+idem_check_not_null(FunctionCallInfo fcinfo, int argno, const char *argname)
 {
 	if (PG_ARGISNULL(argno))
 		ereport(ERROR,
@@ -981,7 +981,7 @@ guard_column(Oid relid, const char *colname)
 }
 
 static char *
-qualified_relname(Oid relid)
+idem_qualified_relname(Oid relid)
 {
 	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
 									  get_rel_name(relid));
@@ -1081,7 +1081,7 @@ drop_guard_trigger(Oid relid, const char *tgname)
 	if (OidIsValid(get_trigger_oid(relid, tgname, true)))
 	{
 		char	   *sql = psprintf("DROP TRIGGER %s ON %s",
-								   quote_identifier(tgname), qualified_relname(relid));
+								   quote_identifier(tgname), idem_qualified_relname(relid));
 
 		if (SPI_execute(sql, false, 0) != SPI_OK_UTILITY)
 			elog(ERROR, "could not drop trigger \"%s\"", tgname);
@@ -1100,7 +1100,7 @@ create_guard_trigger(Oid relid, const char *tgname, const char *of_column,
 				   quote_identifier(tgname),
 				   of_column ? " OF " : "",
 				   of_column ? quote_identifier(of_column) : "",
-				   qualified_relname(relid), func, args);
+				   idem_qualified_relname(relid), func, args);
 	if (SPI_execute(sql, false, 0) != SPI_OK_UTILITY)
 		elog(ERROR, "could not create trigger \"%s\"", tgname);
 }
@@ -1114,9 +1114,9 @@ idem_guard_version(PG_FUNCTION_ARGS)
 	char	   *mode;
 	AttrNumber	attnum;
 
-	check_not_null(fcinfo, 0, "target");
-	check_not_null(fcinfo, 1, "version_column");
-	check_not_null(fcinfo, 2, "on_stale");
+	idem_check_not_null(fcinfo, 0, "target");
+	idem_check_not_null(fcinfo, 1, "version_column");
+	idem_check_not_null(fcinfo, 2, "on_stale");
 	relid = PG_GETARG_OID(0);
 	colname = NameStr(*PG_GETARG_NAME(1));
 	mode = text_to_cstring(PG_GETARG_TEXT_PP(2));
@@ -1124,7 +1124,7 @@ idem_guard_version(PG_FUNCTION_ARGS)
 	(void) parse_mode(mode, "on_stale");
 	guard_target_check(relid);
 	attnum = guard_column(relid, colname);
-	check_version_type(get_atttype(relid, attnum), colname, relid);
+	idem_check_version_type(get_atttype(relid, attnum), colname, relid);
 	check_guard_partitions(relid, VERSION_TRIGGER_NAME, "version");
 
 	SPI_connect();
@@ -1153,10 +1153,10 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	StateType	stt;
 	char	   *maptext;
 
-	check_not_null(fcinfo, 0, "target");
-	check_not_null(fcinfo, 1, "state_column");
-	check_not_null(fcinfo, 2, "transitions");
-	check_not_null(fcinfo, 3, "on_invalid");
+	idem_check_not_null(fcinfo, 0, "target");
+	idem_check_not_null(fcinfo, 1, "state_column");
+	idem_check_not_null(fcinfo, 2, "transitions");
+	idem_check_not_null(fcinfo, 3, "on_invalid");
 	relid = PG_GETARG_OID(0);
 	colname = NameStr(*PG_GETARG_NAME(1));
 	map = PG_GETARG_JSONB_P(2);
@@ -1167,9 +1167,9 @@ idem_guard_transitions(PG_FUNCTION_ARGS)
 	attnum = guard_column(relid, colname);
 	get_atttypetypmodcoll(relid, attnum, &atttypid, &atttypmod, &attcoll);
 	/* states are compared by the type's equality, so it must have one */
-	state_type_init(&stt, atttypid, atttypmod, attcoll, colname, CurrentMemoryContext);
+	idem_state_type_init(&stt, atttypid, atttypmod, attcoll, colname, CurrentMemoryContext);
 	/* every state named must be a value the column can hold */
-	(void) statemap_build(map, &stt);
+	(void) idem_statemap_build(map, &stt);
 	check_guard_partitions(relid, TRANSITION_TRIGGER_NAME, "transition");
 
 	maptext = JsonbToCString(NULL, &map->root, VARSIZE(map));
@@ -1198,7 +1198,7 @@ idem_unguard(PG_FUNCTION_ARGS)
 	bool		dropped = false;
 	int			i;
 
-	check_not_null(fcinfo, 0, "target");
+	idem_check_not_null(fcinfo, 0, "target");
 	relid = PG_GETARG_OID(0);
 	guard_target_check(relid);
 	SPI_connect();
@@ -1554,7 +1554,7 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 	Relation	idx = helper_open_pkey(rel, "idem_upsert");
 	TupleDesc	tupdesc = RelationGetDescr(rel);
 	const char *vcol = NameStr(key->vcol);
-	Trigger    *ttg = find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
+	Trigger    *ttg = idem_find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
 	AttrNumber	stateatt = InvalidAttrNumber;
 	StringInfoData cols,
 				vals,
@@ -1575,7 +1575,7 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 				(errcode(ERRCODE_UNDEFINED_COLUMN),
 				 errmsg("column \"%s\" of relation \"%s\" does not exist",
 						vcol, RelationGetRelationName(rel))));
-	check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, key->relid);
+	idem_check_version_type(TupleDescAttr(tupdesc, vattnum - 1)->atttypid, vcol, key->relid);
 	out->vattnum = vattnum;
 	out->vtypid = getBaseType(TupleDescAttr(tupdesc, vattnum - 1)->atttypid);
 	if (ttg != NULL && ttg->tgenabled != TRIGGER_DISABLED)
@@ -1628,7 +1628,7 @@ upsert_build(UpsertKey *key, Oid rowtype, UpsertPlans *out, bool keep)
 		appendStringInfo(&sets_nostate, "%s = EXCLUDED.%s", quote_identifier(vcol), quote_identifier(vcol));
 
 	head = psprintf("INSERT INTO %s AS t (%s)%s SELECT %s ON CONFLICT (%s) DO UPDATE SET ",
-					qualified_relname(key->relid), cols.data,
+					idem_qualified_relname(key->relid), cols.data,
 					override ? " OVERRIDING SYSTEM VALUE" : "", vals.data, conflict.data);
 	/* as in the version guard, a stored NULL or NaN is no version yet */
 	vtest = psprintf("(t.%s OPERATOR(pg_catalog.<) EXCLUDED.%s OR t.%s IS NULL%s%s%s)",
@@ -1703,8 +1703,8 @@ idem_upsert(PG_FUNCTION_ARGS)
 	bool		updated = false;
 	uint64		processed = 0;
 
-	check_not_null(fcinfo, 0, "new_row");
-	check_not_null(fcinfo, 1, "version_column");
+	idem_check_not_null(fcinfo, 0, "new_row");
+	idem_check_not_null(fcinfo, 1, "version_column");
 
 	rowtype = get_fn_expr_argtype(fcinfo->flinfo, 0);
 	relid = OidIsValid(rowtype) ? get_typ_typrelid(rowtype) : InvalidOid;
@@ -1742,7 +1742,7 @@ idem_upsert(PG_FUNCTION_ARGS)
 			ereport(ERROR,
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("version column \"%s\" of the new row is null", NameStr(key.vcol))));
-		check_version_finite(plans.vtypid, version, NameStr(key.vcol), get_rel_name(relid));
+		idem_check_version_finite(plans.vtypid, version, NameStr(key.vcol), get_rel_name(relid));
 
 		/*
 		 * $1 is the row, constant for the planner; $2 and $3 are left
@@ -1791,7 +1791,7 @@ idem_upsert(PG_FUNCTION_ARGS)
 			elog(ERROR, "idem_upsert: unexpected SPI result %s", SPI_result_code_string(rc));
 		if (processed == 0)
 		{
-			guard_counters.upsert_stale++;
+			idem_guard_counts.upsert_stale++;
 			result = "stale";
 		}
 		else
@@ -1821,8 +1821,8 @@ transition_build(TransitionKey *key, TransitionPlans *out, bool keep)
 	Relation	rel = helper_open_table(key->relid);
 	Relation	idx;
 	TupleDesc	tupdesc = RelationGetDescr(rel);
-	Trigger    *ttg = find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
-	Trigger    *vtg = find_guard_trigger(rel, VERSION_TRIGGER_NAME);
+	Trigger    *ttg = idem_find_guard_trigger(rel, TRANSITION_TRIGGER_NAME);
+	Trigger    *vtg = idem_find_guard_trigger(rel, VERSION_TRIGGER_NAME);
 	const char *statecol;
 	Form_pg_attribute stateattr;
 	AttrNumber	stateatt;
@@ -1881,11 +1881,11 @@ transition_build(TransitionKey *key, TransitionPlans *out, bool keep)
 	out->select_plan =
 		helper_prepare(psprintf("SELECT t.%s %s CAST($2 AS %s) FROM %s t WHERE %s FOR UPDATE OF t",
 								quote_identifier(statecol), equality_sql(stateattr->atttypid),
-								statetype, qualified_relname(key->relid), where),
+								statetype, idem_qualified_relname(key->relid), where),
 					   2, argtypes, keep);
 	out->update_plan =
 		helper_prepare(psprintf("UPDATE %s t SET %s = CAST($2 AS %s) WHERE %s",
-								qualified_relname(key->relid), quote_identifier(statecol),
+								idem_qualified_relname(key->relid), quote_identifier(statecol),
 								statetype, where),
 					   2, argtypes, keep);
 
@@ -1904,9 +1904,9 @@ idem_transition(PG_FUNCTION_ARGS)
 	const char *result;
 	int			rc;
 
-	check_not_null(fcinfo, 0, "target");
-	check_not_null(fcinfo, 1, "id");
-	check_not_null(fcinfo, 2, "to_state");
+	idem_check_not_null(fcinfo, 0, "target");
+	idem_check_not_null(fcinfo, 1, "id");
+	idem_check_not_null(fcinfo, 2, "to_state");
 
 	memset(&key, 0, sizeof(key));
 	key.relid = PG_GETARG_OID(0);
@@ -1941,7 +1941,7 @@ idem_transition(PG_FUNCTION_ARGS)
 		else if (DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
 											&isnull)) && !isnull)
 		{
-			guard_counters.already_applied++;
+			idem_guard_counts.already_applied++;
 			result = "already_applied";
 		}
 		else
@@ -1979,12 +1979,12 @@ idem_guard_stats(PG_FUNCTION_ARGS)
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
 		elog(ERROR, "return type must be a row type");
 	tupdesc = BlessTupleDesc(tupdesc);
-	values[0] = Int64GetDatum(guard_counters.stale_skipped);
-	values[1] = Int64GetDatum(guard_counters.stale_rejected);
-	values[2] = Int64GetDatum(guard_counters.upsert_stale);
-	values[3] = Int64GetDatum(guard_counters.invalid_skipped);
-	values[4] = Int64GetDatum(guard_counters.invalid_rejected);
-	values[5] = Int64GetDatum(guard_counters.already_applied);
+	values[0] = Int64GetDatum(idem_guard_counts.stale_skipped);
+	values[1] = Int64GetDatum(idem_guard_counts.stale_rejected);
+	values[2] = Int64GetDatum(idem_guard_counts.upsert_stale);
+	values[3] = Int64GetDatum(idem_guard_counts.invalid_skipped);
+	values[4] = Int64GetDatum(idem_guard_counts.invalid_rejected);
+	values[5] = Int64GetDatum(idem_guard_counts.already_applied);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
 }
 
@@ -1992,7 +1992,7 @@ idem_guard_stats(PG_FUNCTION_ARGS)
 Datum
 idem_guard_stats_reset(PG_FUNCTION_ARGS)
 {
-	memset(&guard_counters, 0, sizeof(guard_counters));
+	memset(&idem_guard_counts, 0, sizeof(idem_guard_counts));
 	PG_RETURN_VOID();
 }
 
