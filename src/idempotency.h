@@ -7,8 +7,10 @@
  * partitions.c (the per-backend cache of the partition registry that every
  * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
  * backend memory), retention.c (the maintenance round and idem_configure),
- * guards.c, worker.c.  idempotency.c holds only _PG_init and the few helpers
- * every subsystem uses.
+ * worker.c (the background worker); guarded writes take three,
+ * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
+ * idempotency.c holds only _PG_init and the few helpers every subsystem
+ * uses.
  *
  *-------------------------------------------------------------------------
  */
@@ -159,7 +161,7 @@ extern void idem_worker_init(void);
 extern PGDLLEXPORT void idem_launcher_main(Datum main_arg);
 extern PGDLLEXPORT void idem_worker_main(Datum main_arg);
 
-/* guards.c: per-backend counters of guarded writes */
+/* guard_triggers.c: per-backend counters of guarded writes */
 typedef struct IdemGuardCounters
 {
 	int64		stale_skipped;		/* version guard, 'skip' */

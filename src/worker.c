@@ -125,6 +125,23 @@ naptime_ms(void)
 	return (long) idem_worker_naptime * 1000L;
 }
 
+/*
+ * Error recovery of the launcher's and the workers' transactions, called
+ * in PG_CATCH: log the error, abort the transaction, clear the error state
+ * and go back to oldcxt, the caller's memory context before the
+ * transaction, so that the process carries on.
+ */
+static void
+abort_failed_transaction(MemoryContext oldcxt)
+{
+	HOLD_INTERRUPTS();
+	MemoryContextSwitchTo(oldcxt);
+	EmitErrorReport();
+	AbortCurrentTransaction();
+	FlushErrorState();
+	RESUME_INTERRUPTS();
+}
+
 /* GUC check hook: idempotency.database must be a list of identifiers. */
 static bool
 check_database_list(char **newval, void **extra, GucSource source)
@@ -377,12 +394,7 @@ lookup_database(const char *name, ServedProblem *problem)
 	}
 	PG_CATCH();
 	{
-		HOLD_INTERRUPTS();
-		MemoryContextSwitchTo(oldcxt);
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
+		abort_failed_transaction(oldcxt);
 		dboid = InvalidOid;
 		result = SERVED_LOOKUP_FAILED;
 	}
@@ -605,12 +617,7 @@ worker_round(void)
 	}
 	PG_CATCH();
 	{
-		HOLD_INTERRUPTS();
-		MemoryContextSwitchTo(oldcxt);
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
+		abort_failed_transaction(oldcxt);
 		ereport(LOG,
 				(errmsg("idempotency maintenance round in database \"%s\" failed, retrying in %d s",
 						worker_dbname, idem_worker_naptime)));
