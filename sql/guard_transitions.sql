@@ -125,6 +125,17 @@ UPDATE "Odd Table" SET "State Col" = 'c' RETURNING *;
 UPDATE "Odd Table" SET "State Col" = 'b "q"' RETURNING *;
 SELECT pg_get_triggerdef(oid) FROM pg_trigger WHERE tgrelid = '"Odd Table"'::regclass;
 
+-- a role that may update the state but not read it is not told the stored state
+CREATE TABLE blind (id int PRIMARY KEY, state text);
+INSERT INTO blind VALUES (1, 'secret-state');
+SELECT idem_guard_transitions('blind', 'state', '{"secret-state": ["next"]}', on_invalid => 'error');
+GRANT UPDATE (state) ON blind TO guard_t_other;
+SET ROLE guard_t_other;
+\set VERBOSITY default
+UPDATE blind SET state = 'elsewhere';
+\set VERBOSITY terse
+RESET ROLE;
+
 RESET idempotency.guard_log_level;
 RESET search_path;
 SET client_min_messages = warning;

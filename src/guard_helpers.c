@@ -554,7 +554,17 @@ idem_upsert(PG_FUNCTION_ARGS)
 			upsert_free_plans(e);
 			/* set first: an invalidation while building clears it again */
 			e->link.valid = true;
-			upsert_build(&key, rowtype, &e->plans, true);
+			PG_TRY();
+			{
+				upsert_build(&key, rowtype, &e->plans, true);
+			}
+			PG_CATCH();
+			{
+				/* half-built plans (a cancel between the two) must not be used */
+				e->link.valid = false;
+				PG_RE_THROW();
+			}
+			PG_END_TRY();
 			plans = e->plans;
 		}
 		else
