@@ -604,7 +604,8 @@ probe_partition(ClaimCall *call, IdemPartition *part, bool maybe_empty, Snapshot
 	OpenPart   *op = open_part(call, part, AccessShareLock);
 	ScanKeyData skey[2];
 	TupleTableSlot *slot;
-	bool		found = false;
+	MemoryContext oldcxt;
+	bool		found;
 
 	if (op == NULL)
 		return false;
@@ -618,8 +619,7 @@ probe_partition(ClaimCall *call, IdemPartition *part, bool maybe_empty, Snapshot
 		return false;
 	if (op->scan == NULL || op->scan_snap != snap)
 	{
-		MemoryContext oldcxt = MemoryContextSwitchTo(call->cxt);
-
+		oldcxt = MemoryContextSwitchTo(call->cxt);
 		open_part_index(op, part);
 		if (op->scan != NULL)
 			index_endscan(op->scan);
@@ -629,12 +629,16 @@ probe_partition(ClaimCall *call, IdemPartition *part, bool maybe_empty, Snapshot
 	}
 	ScanKeyInit(&skey[0], 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->scope));
 	ScanKeyInit(&skey[1], 2, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(ck->key));
-	index_rescan(op->scan, skey, 2, NULL, 0);
 	slot = op->slot;
 
-	if (index_getnext_slot(op->scan, ForwardScanDirection, slot))
+	/* the scan keeps what it allocates on the way (killed items): the call's */
+	oldcxt = MemoryContextSwitchTo(call->cxt);
+	index_rescan(op->scan, skey, 2, NULL, 0);
+	found = index_getnext_slot(op->scan, ForwardScanDirection, slot);
+	MemoryContextSwitchTo(oldcxt);
+
+	if (found)
 	{
-		found = true;
 		if (snap->snapshot_type == SNAPSHOT_DIRTY &&
 			(TransactionIdIsValid(snap->xmin) || TransactionIdIsValid(snap->xmax)))
 		{
