@@ -65,7 +65,6 @@
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "nodes/execnodes.h"
-#include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "tcop/utility.h"
 #include "storage/lock.h"
@@ -598,8 +597,8 @@ open_part(ClaimCall *call, IdemPartition *part, LOCKMODE mode)
  * deleted by another transaction is reported as busy.
  */
 static bool
-probe_partition(ClaimCall *call, IdemPartition *part, bool maybe_empty, Snapshot snap,
-				ClaimKey *ck, ProbeResult *res)
+probe_partition(ClaimCall *call, IdemPartition *part, Snapshot snap, ClaimKey *ck,
+				ProbeResult *res)
 {
 	OpenPart   *op = open_part(call, part, AccessShareLock);
 	ScanKeyData skey[2];
@@ -610,13 +609,6 @@ probe_partition(ClaimCall *call, IdemPartition *part, bool maybe_empty, Snapshot
 	if (op == NULL)
 		return false;
 
-	/*
-	 * A partition never written to has no blocks (an insert extends it
-	 * before it lets go of the value lock): a premade one that maintenance,
-	 * lagging, did not seal costs a size check, not an index probe.
-	 */
-	if (maybe_empty && RelationGetNumberOfBlocks(op->heap) == 0)
-		return false;
 	if (op->scan == NULL || op->scan_snap != snap)
 	{
 		oldcxt = MemoryContextSwitchTo(call->cxt);
@@ -683,7 +675,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 
 	res->status = PROBE_ABSENT;
 	if (target != NULL && which != PROBE_SEALED &&
-		probe_partition(call, target, false, snap, ck, res))
+		probe_partition(call, target, snap, ck, res))
 		return;
 	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
 		if (!set->parts[i].sealed)
@@ -703,7 +695,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 		else if (which == PROBE_SEALED ||
 				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open))
 			continue;
-		if (probe_partition(call, p, !p->sealed, snap, ck, res))
+		if (probe_partition(call, p, snap, ck, res))
 			return;
 	}
 }
