@@ -680,6 +680,10 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
 		if (!set->parts[i].sealed)
 			oldest_open = &set->parts[i];
+	if (which != PROBE_OPEN)
+		for (int i = 0; i < set->nparts; i++)
+			if (set->parts[i].sealed)
+				idem_filter_prefetch(&set->parts[i], ck->hash);
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];

@@ -571,6 +571,22 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 }
 
 /*
+ * Start loading the cache line of p's filter that the key's test will read,
+ * if the filter is at hand: a claim tests many filters, and their misses
+ * then overlap instead of queueing.
+ */
+void
+idem_filter_prefetch(IdemPartition *p, uint64 hash)
+{
+	if (p->filter_bits != NULL && p->filter_epoch == current_epoch())
+	{
+		uint32		block = (uint32) hash % (p->filter_nbits / IDEM_BLOOM_BLOCK_BITS);
+
+		__builtin_prefetch(p->filter_bits + (Size) block * (IDEM_BLOOM_BLOCK_BITS / 8));
+	}
+}
+
+/*
  * May the key with this hash be in sealed partition p?  True when its
  * filter says so, and whenever no valid filter is at hand (then the caller
  * probes the partition's index).

@@ -150,6 +150,7 @@ typedef struct IdemSealInfo
 
 extern bytea *idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info);
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
+extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern void idem_filters_init(void);
 
