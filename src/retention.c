@@ -601,7 +601,6 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	seal_passed(&r);
 	r.set = idem_partition_set_fresh();
 	drop_expired(&r, before);
-	idem_debug_wait("maintain_end");
 	idem_filters_forget_others(idem_partition_set_fresh());
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
@@ -695,7 +694,6 @@ idem_configure(PG_FUNCTION_ARGS)
 
 	/* validate against the settings no other configuration can change now */
 	lock_maintenance(true);
-	idem_debug_wait("configure_locked");
 	nestlevel = pin_search_path();
 	SPI_connect();
 	s = idem_read_settings(GetLatestSnapshot());
