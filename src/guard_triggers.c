@@ -512,15 +512,12 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 	if (key)
 		appendStringInfo(&detail, "Key %s. ", key);
 	/* the stored state only for a role that may read it (as for versions) */
-	if (column_readable(RelationGetRelid(rel), st->attnum))
-		appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from %s to %s.",
-						 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
-						 quote_literal_cstr(OutputFunctionCall(&st->outfn, oldd)),
-						 newnull ? "NULL" : quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)));
-	else
-		appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from the stored state to %s.",
-						 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
-						 newnull ? "NULL" : quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)));
+	appendStringInfo(&detail, "The guard on column \"%s\" does not allow moving from %s to %s.",
+					 NameStr(TupleDescAttr(tupdesc, st->attnum - 1)->attname),
+					 column_readable(RelationGetRelid(rel), st->attnum) ?
+					 quote_literal_cstr(OutputFunctionCall(&st->outfn, oldd)) :
+					 "the stored state",
+					 newnull ? "NULL" : quote_literal_cstr(OutputFunctionCall(&st->outfn, newd)));
 	ereport(elevel,
 			(errcode(elevel >= ERROR ? ERRCODE_IDEM_INVALID_TRANSITION : ERRCODE_SUCCESSFUL_COMPLETION),
 			 elevel >= ERROR ?
