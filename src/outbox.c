@@ -1378,13 +1378,17 @@ full_xid_min(FullTransactionId a, FullTransactionId b)
 }
 
 /*
- * The oldest transaction that may still commit an event: the xmin of a
- * snapshot taken now, as a full id.  Every event from below it is final.
+ * The oldest transaction that may still commit an event, as the scan will
+ * see it: the xmin of a snapshot taken now (the scan's, taken later, has a
+ * later one), or under REPEATABLE READ of the transaction's snapshot, which
+ * the scan uses.  Every event from below it is final and visible to the
+ * scan.
  */
 static FullTransactionId
 event_horizon(void)
 {
-	Snapshot	snap = GetLatestSnapshot();
+	Snapshot	snap = IsolationUsesXactSnapshot() ? GetTransactionSnapshot()
+		: GetLatestSnapshot();
 	FullTransactionId next = ReadNextFullTransactionId();
 	TransactionId xmin = snap->xmin;
 	uint32		epoch = EpochFromFullTransactionId(next);

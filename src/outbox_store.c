@@ -8,7 +8,9 @@
  *
  * idempotency.outbox_events is a declarative range-partitioned table on
  * created_at, so emitters insert through the parent and a publication with
- * publish_via_partition_root covers partitions made later.  Its default
+ * publish_via_partition_root covers partitions made later.  Each partition
+ * carries its own indexes (the parent has none, so that pg_restore can
+ * attach dumped partitions to the parent the extension made).  Its default
  * partition (made by the install script) takes events while no range
  * covers their time; retention leaves it alone (it is an extension member:
  * its rows are dumped as configuration data).
@@ -140,6 +142,10 @@ create_one(void *arg)
 
 	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s (LIKE %s.outbox_events INCLUDING ALL)",
 								   c->name, IDEM_SCHEMA));
+	/* the indexes of sql/ext/40_outbox.sql's default partition */
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (txid)", c->name));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (aggregate_type, aggregate_id, seq)", c->name));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (id)", c->name));
 	idem_exec_ddl_as_data(psprintf("ALTER TABLE %s.outbox_events ATTACH PARTITION %s"
 								   " FOR VALUES FROM (%s) TO (%s)",
 								   IDEM_SCHEMA, c->name,
@@ -275,9 +281,14 @@ drop_expired(OutboxRound *r, OutboxPartition *parts, int n)
 void
 idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now)
 {
-	OutboxRound r = {rep, s, now, idem_internal_relid("outbox_events")};
+	OutboxRound r = {rep, s, now, InvalidOid};
 	OutboxPartition *parts;
 	int			n;
+
+	/* a database still on 1.0 (before ALTER EXTENSION UPDATE) has no outbox */
+	r.parent = get_relname_relid("outbox_events", idem_schema_oid());
+	if (!OidIsValid(r.parent))
+		return;
 
 	forget_missing(&r);
 	parts = read_partitions(&n);

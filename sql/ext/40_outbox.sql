@@ -23,17 +23,22 @@ CREATE TABLE idempotency.outbox_events (
 ) PARTITION BY RANGE (created_at);
 COMMENT ON TABLE idempotency.outbox_events IS
     'outbox events, insert-only, in time partitions (emit with idem_outbox_emit())';
--- the relay scans from its cursor by transaction; runs and acks look events up
-CREATE INDEX outbox_events_txid ON idempotency.outbox_events (txid);
-CREATE INDEX outbox_events_aggregate ON idempotency.outbox_events (aggregate_type, aggregate_id, seq);
-CREATE INDEX outbox_events_id ON idempotency.outbox_events (id);
-
 -- Takes the events that no range partition covers: before the first
 -- maintenance round, or while maintenance lags.  An extension member whose
 -- rows pg_dump keeps as configuration data; retention never drops it.
 CREATE TABLE idempotency.outbox_events_default
     PARTITION OF idempotency.outbox_events DEFAULT;
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_events_default', '');
+
+-- Every partition has these indexes of its own (maintenance makes them with
+-- each range partition; src/outbox_store.c): the relay scans from its cursor
+-- by transaction, runs and dead letters read an aggregate's events by seq,
+-- acks find events by id.  None is declared on the parent: pg_dump restores
+-- partitions attached to an extension's parent only without its indexes.
+CREATE INDEX outbox_events_default_txid ON idempotency.outbox_events_default (txid);
+CREATE INDEX outbox_events_default_aggregate
+    ON idempotency.outbox_events_default (aggregate_type, aggregate_id, seq);
+CREATE INDEX outbox_events_default_id ON idempotency.outbox_events_default (id);
 
 -- The range partitions, as maintenance made them.
 CREATE TABLE idempotency.outbox_partitions (
