@@ -71,7 +71,8 @@ $$;
 CREATE FUNCTION pg_temp.advance(int) RETURNS int LANGUAGE sql AS $$
     SELECT set_config('idempotency.debug_clock_offset',
                       ((SELECT setting::int FROM pg_settings WHERE name = 'idempotency.debug_clock_offset') + $1)::text,
-                      true)::int
+                      true);
+    SELECT setting::int FROM pg_settings WHERE name = 'idempotency.debug_clock_offset'
 $$;
 -- the extension's clock now
 CREATE FUNCTION pg_temp.ext_now() RETURNS timestamptz LANGUAGE sql AS $$
