@@ -8,8 +8,12 @@ CREATE EXTENSION idempotency;
 
 \i sql/include/try.sql
 
--- CREATE EXTENSION made outbox partitions as well as claims partitions; the
--- outbox's default partition takes events no range covers
+-- The partitions view lists claims and outbox partitions (column store).
+-- CREATE EXTENSION makes the claims partitions; the outbox partitions come
+-- with the first maintenance round (the worker's or pg_cron's; here by
+-- hand); until then the outbox's default partition takes the events.
+SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
+SELECT action, count(*) FROM idem_maintain() WHERE object LIKE 'idempotency.outbox%' GROUP BY 1;
 SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- 1. Emit: seq counts 1, 2, 3 ... per (aggregate_type, aggregate_id)
@@ -168,8 +172,8 @@ SELECT idem_outbox_ack(ARRAY(SELECT id FROM c7), (SELECT lease_token FROM c7 LIM
 -- 8. Maintenance makes and drops outbox partitions like claims partitions,
 -- but keeps a partition that holds an undelivered or dead-lettered event
 -- (pinned)
+SELECT count(*) AS in_default_partition FROM idempotency.outbox_events_default;
 SELECT idem_configure(retention => '1 day', partition_interval => '1 hour', premake => 2);
-SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r
  WHERE next_lower IS NOT NULL AND next_lower <> upper;
@@ -177,13 +181,17 @@ SELECT count(*) AS gaps FROM (
 SELECT count(*) AS pending FROM idem_outbox_claim();
 SELECT seq FROM idem_outbox_emit('keep', 'k-1', 'pending', '{}');
 SELECT tableoid::regclass AS keep_part FROM idempotency.outbox_events WHERE aggregate_type = 'keep' \gset
--- three days later: the partitions of the last hours are past retention;
--- the one with the pending event is pinned, the others go
-SET idempotency.debug_clock_offset = '72h';
+SELECT count(*) AS parts_before FROM idempotency.outbox_partitions \gset
+-- six days later every day partition made so far is past its retention
+-- (its upper bound + 1 day): the one with the pending event is pinned, the
+-- others go, and hourly partitions are made for the new time
+SET idempotency.debug_clock_offset = '144h';
 CREATE TEMP TABLE round1 AS SELECT * FROM idem_maintain();
 SELECT count(*) FILTER (WHERE action IN ('create', 'extend')) > 0 AS made_outbox_partitions,
-       count(*) FILTER (WHERE action = 'drop') > 0 AS dropped_outbox_partitions
+       count(*) FILTER (WHERE action = 'drop') = :parts_before - 1 AS dropped_all_but_one
   FROM round1 WHERE object LIKE 'idempotency.outbox%';
+SELECT count(*) AS expired_left_but_pinned FROM idempotency.outbox_partitions
+ WHERE upper <= now() + interval '144 hours' - interval '1 day' AND relid <> :'keep_part'::regclass;
 SELECT count(*) AS keep_part_dropped FROM round1 WHERE action = 'drop' AND object = :'keep_part';
 SELECT idempotency.outbox_partition_pinned(:'keep_part') AS pinned,
        (SELECT count(*) FROM idempotency.outbox_partitions WHERE relid = :'keep_part'::regclass) AS still_registered;
@@ -200,4 +208,5 @@ SELECT count(*) AS gaps FROM (
  WHERE next_lower IS NOT NULL AND next_lower <> upper;
 RESET idempotency.debug_clock_offset;
 
-DROP EXTENSION idempotency;
+SET client_min_messages = warning;
+DROP EXTENSION idempotency CASCADE;

@@ -14,7 +14,7 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(302);
+SELECT plan(305);
 
 -- helpers -------------------------------------------------------------------
 
@@ -177,7 +177,15 @@ SELECT throws_ok($$SET idempotency.outbox_dead_policy = 'sometimes'$$, '22023', 
 SELECT throws_ok($$SET idempotency.outbox_notify = 'always'$$, '22023', NULL, 'an unknown notify value is refused');
 SELECT throws_ok($$SET idempotency.outbox_mode = 'kafka'$$, '22023', NULL, 'an unknown outbox mode is refused');
 
--- the partitions view lists the outbox store (nothing emitted yet)
+-- the partitions view lists the outbox store (nothing emitted yet); the
+-- first maintenance round makes the outbox partitions (CREATE EXTENSION
+-- leaves that to it: until then the default partition takes events)
+SELECT is((SELECT state FROM idempotency.partitions WHERE partition = 'idempotency.outbox_events_default'::regclass),
+          'default', 'the empty default partition shows as default');
+CREATE TEMP TABLE round0 AS SELECT * FROM idem_maintain();
+SELECT is((SELECT count(*)::int FROM round0 WHERE action = 'create' AND object LIKE 'idempotency.outbox%'),
+          (SELECT premake + 1 FROM idempotency.current_settings()),
+          'the first maintenance round creates the current outbox partition and premake more');
 SELECT is(ARRAY(SELECT DISTINCT store FROM idempotency.partitions ORDER BY 1), ARRAY['claims', 'outbox'],
           'idempotency.partitions lists both stores');
 SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbox' AND state = 'current'), 1,
@@ -185,12 +193,16 @@ SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbo
 SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbox' AND state = 'future'),
           (SELECT premake FROM idempotency.current_settings()),
           'premake future outbox partitions (same setting as claims)');
-SELECT is((SELECT state FROM idempotency.partitions WHERE partition = 'idempotency.outbox_events_default'::regclass),
-          'default', 'the empty default partition shows as default');
 SELECT is((SELECT count(*)::int FROM idempotency.partitions p JOIN idempotency.outbox_partitions o ON o.relid = p.partition
             WHERE p.store = 'outbox' AND p.lower = o.lower AND p.upper = o.upper),
           (SELECT count(*)::int FROM idempotency.outbox_partitions),
           'every registered outbox partition is in the view with its range');
+SELECT is((SELECT count(*)::int FROM (
+              SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r
+            WHERE next_lower IS NOT NULL AND next_lower <> upper), 0,
+          'outbox partition ranges are contiguous');
+SELECT is((SELECT count(*)::int FROM idem_maintain() WHERE object LIKE 'idempotency.outbox%'), 0,
+          'a second round right away has nothing to do for the outbox');
 
 -- 2. emit -------------------------------------------------------------------
 
