@@ -8,12 +8,8 @@ CREATE EXTENSION idempotency;
 
 \i sql/include/try.sql
 
--- The partitions view lists claims and outbox partitions (column store).
--- CREATE EXTENSION makes the claims partitions; the outbox partitions come
--- with the first maintenance round (the worker's or pg_cron's; here by
--- hand); until then the outbox's default partition takes the events.
-SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
-SELECT action, count(*) FROM idem_maintain() WHERE object LIKE 'idempotency.outbox%' GROUP BY 1;
+-- The partitions view lists claims and outbox partitions (column store);
+-- CREATE EXTENSION makes the current partition and premake (4) more of each.
 SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- 1. Emit: seq counts 1, 2, 3 ... per (aggregate_type, aggregate_id)
@@ -172,7 +168,10 @@ SELECT idem_outbox_ack(ARRAY(SELECT id FROM c7), (SELECT lease_token FROM c7 LIM
 -- 8. Maintenance makes and drops outbox partitions like claims partitions,
 -- but keeps a partition that holds an undelivered or dead-lettered event
 -- (pinned)
-SELECT count(*) AS in_default_partition FROM idempotency.outbox_events_default;
+-- every event went into the partition that covers its time
+SELECT count(*) AS outside_their_range
+  FROM idempotency.outbox_events e JOIN idempotency.outbox_partitions p ON p.bucket = e.bucket
+ WHERE NOT (p.lower <= e.created_at AND e.created_at < p.upper);
 SELECT idem_configure(retention => '1 day', partition_interval => '1 hour', premake => 2);
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r

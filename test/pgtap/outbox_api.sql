@@ -14,7 +14,7 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(305);
+SELECT plan(306);
 
 -- helpers -------------------------------------------------------------------
 
@@ -177,15 +177,17 @@ SELECT throws_ok($$SET idempotency.outbox_dead_policy = 'sometimes'$$, '22023', 
 SELECT throws_ok($$SET idempotency.outbox_notify = 'always'$$, '22023', NULL, 'an unknown notify value is refused');
 SELECT throws_ok($$SET idempotency.outbox_mode = 'kafka'$$, '22023', NULL, 'an unknown outbox mode is refused');
 
--- the partitions view lists the outbox store (nothing emitted yet); the
--- first maintenance round makes the outbox partitions (CREATE EXTENSION
--- leaves that to it: until then the default partition takes events)
-SELECT is((SELECT state FROM idempotency.partitions WHERE partition = 'idempotency.outbox_events_default'::regclass),
-          'default', 'the empty default partition shows as default');
+-- the partitions view lists the outbox store; CREATE EXTENSION made the
+-- current outbox partition and premake more, and a round has nothing to add
 CREATE TEMP TABLE round0 AS SELECT * FROM idem_maintain();
-SELECT is((SELECT count(*)::int FROM round0 WHERE action = 'create' AND object LIKE 'idempotency.outbox%'),
+SELECT is((SELECT count(*)::int FROM round0 WHERE object LIKE 'idempotency.outbox%'), 0,
+          'CREATE EXTENSION made the outbox partitions: a round right after it does nothing');
+SELECT is((SELECT count(*)::int FROM idempotency.outbox_partitions),
           (SELECT premake + 1 FROM idempotency.current_settings()),
-          'the first maintenance round creates the current outbox partition and premake more');
+          'the current outbox partition and premake more');
+SELECT is((SELECT count(DISTINCT bucket)::int FROM idempotency.outbox_partitions),
+          (SELECT count(*)::int FROM idempotency.outbox_partitions),
+          'every outbox partition has a bucket of its own');
 SELECT is(ARRAY(SELECT DISTINCT store FROM idempotency.partitions ORDER BY 1), ARRAY['claims', 'outbox'],
           'idempotency.partitions lists both stores');
 SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbox' AND state = 'current'), 1,
