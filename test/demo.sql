@@ -193,9 +193,10 @@ INSERT INTO demo.account_view (id) SELECT id FROM demo.accounts;
 SELECT count(*) AS guarded FROM idem_guard_version('demo.account_view') \gset
 
 -- deliver: the consumer's endpoint.  Dedupes on the Idempotency-Key with a
--- claim in its own scope, in the transaction that applies the event.  Now and
--- then it is "unavailable" (raises before doing anything): the relay nacks
--- the event and redelivers it.
+-- claim in its own scope, in the transaction that applies the event.  It
+-- takes 20 ms an event (think of a network hop), and now and then it is
+-- "unavailable" (raises before doing anything): the relay nacks the event
+-- and redelivers it.
 CREATE FUNCTION demo.deliver(ev jsonb, relay text, fail_percent float DEFAULT 1) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -205,6 +206,7 @@ DECLARE
     fresh boolean;
     updated int;
 BEGIN
+    PERFORM pg_sleep(0.02);
     IF random() * 100 < fail_percent THEN
         RAISE EXCEPTION 'consumer unavailable (simulated 503)';
     END IF;
