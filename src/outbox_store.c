@@ -166,7 +166,7 @@ create_one(void *arg)
 
 	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s (LIKE %s.outbox_events INCLUDING ALL)",
 								   c->name, IDEM_SCHEMA));
-	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (txid)", c->name));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (txid, id)", c->name));
 	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (aggregate_type, aggregate_id, seq)", c->name));
 	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (id)", c->name));
 	idem_exec_ddl_as_data(psprintf("ALTER TABLE %s.outbox_events ATTACH PARTITION %s"

@@ -76,15 +76,17 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
 CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
     WHERE retry_at IS NOT NULL;
 
--- Every event from a transaction older than "position" is delivered, or
+-- Every event before (position, event_id) is delivered, or
 -- belongs to a parked aggregate: relays scan from here.  A lower bound only;
 -- written at most about once a second per relay.  Not dumped: transaction
 -- ids mean nothing in another cluster, so a restore starts from 0.
 CREATE TABLE idempotency.outbox_cursor (
     singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    position  xid8 NOT NULL
+    position  xid8 NOT NULL,                    -- an emitting transaction ...
+    event_id  uuid NOT NULL                     -- ... and an event id in it
 );
-INSERT INTO idempotency.outbox_cursor (position) VALUES ('0');
+INSERT INTO idempotency.outbox_cursor (position, event_id)
+VALUES ('0', '00000000-0000-0000-0000-000000000000');
 
 -- Dead-lettered events (a copy of each), until redriven or discarded.
 CREATE TABLE idempotency.outbox_dead_letters (
