@@ -228,11 +228,18 @@ idem_outbox_init(void)
 	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
 	" ON CONFLICT DO NOTHING"
 
+#define NEXT_SEQ \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1" \
+	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
+	" RETURNING last_seq"
+
 #define EVENT_COLUMNS \
 	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
 
 typedef enum
 {
+	ST_EMIT_NEXT,
+	ST_EMIT_NEXT_SEQ,
 	ST_EMIT,
 	ST_EMIT_SEQ,
 	ST_RESERVE,
@@ -264,6 +271,18 @@ typedef struct OutboxPlan
 } OutboxPlan;
 
 static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
+	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
+	[ST_EMIT_NEXT] = {
+		"WITH s AS (" NEXT_SEQ ")"
+		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
+		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
+		" RETURNING seq",
+		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
+	},
+	[ST_EMIT_NEXT_SEQ] = {
+		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
+	},
+	/* otherwise (none updated): make the counter, or take it over from a racer */
 	[ST_EMIT] = {
 		"WITH s AS ("
 		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
@@ -305,11 +324,12 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 	},
 	[ST_INSERT_MANY] = {
 		"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, $7, $8, $10"
-		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[])"
-		"   AS u(id, aid, seq, et, p, h)",
+		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, u.at, $8, $10"
+		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[],"
+		"             $7::timestamptz[])"
+		"   AS u(id, aid, seq, et, p, h, at)",
 		10, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
-			TIMESTAMPTZOID, XID8OID, JSONBARRAYOID, INT4OID}
+			TIMESTAMPTZARRAYOID, XID8OID, JSONBARRAYOID, INT4OID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
@@ -391,11 +411,14 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" ON CONFLICT (id) DO NOTHING",
 		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
 	},
-	/* the ids carry their bucket: one partition at a time */
+	/* the ids say their partition and transaction: one (txid, id) probe each */
 	[ST_FIND_EVENTS] = {
-		"SELECT e.aggregate_type, e.aggregate_id, e.seq FROM idempotency.outbox_events e"
-		" WHERE e.bucket = $2 AND e.id = ANY ($1)",
-		2, {UUIDARRAYOID, INT4OID}
+		"SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		" FROM unnest($1::xid8[], $2::uuid[]) AS k(t, i)"
+		" CROSS JOIN LATERAL (SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		"   FROM idempotency.outbox_events e"
+		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i) e",
+		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
 	},
 	[ST_LOCK_DELIVERIES] = {
 		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("", "FOR UPDATE"),
@@ -464,43 +487,46 @@ spi_col(uint64 row, int col, bool *isnull)
 /*---- ids and tokens ----*/
 
 /*
- * A UUIDv7 (RFC 9562) for an event created at "ts" in partition "bucket":
- * 48 bits of Unix milliseconds, the microseconds within that millisecond in
- * the 12 bits of rand_a (its "increased clock precision" use), then, after
- * the variant, 6 random bits, a 16-bit counter of this backend, 16 random
- * bits and the 24-bit bucket.  So the id gives back created_at exactly and
- * the partition it is in, ids sort by time, and a backend's ids never repeat
- * within a microsecond.
+ * An event's id: a UUIDv7 (RFC 9562) that says where the event is.  48 bits
+ * of Unix milliseconds, the microseconds within that millisecond in the 12
+ * bits of rand_a (its "increased clock precision" use); after the variant,
+ * 62 bits: the partition's 24-bit bucket, the low 32 bits of the emitting
+ * transaction id and 6 random bits.  So an ack finds an event with one
+ * probe of one partition's (txid, id) index, ids sort by time, and ids are
+ * unique: a transaction's events are emitted by one backend, whose
+ * timestamps never repeat (see event_time()).
  */
 static void
-outbox_event_id(TimestampTz ts, int32 bucket, pg_uuid_t *id)
+outbox_event_id(TimestampTz ts, int32 bucket, FullTransactionId txid, pg_uuid_t *id)
 {
-	static uint16 counter = 0;
 	int64		unix_us = ts + (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
 	uint64		ms = (uint64) (unix_us / 1000);
 	uint32		sub = (uint32) (unix_us % 1000);
-	uint32		rnd = pg_prng_uint32(&pg_global_prng_state);
+	uint64		low = ((uint64) (bucket & 0xFFFFFF) << 38)
+		| ((uint64) XidFromFullTransactionId(txid) << 6)
+		| (pg_prng_uint32(&pg_global_prng_state) & 0x3F);
 
 	for (int i = 0; i < 6; i++)
 		id->data[i] = (uint8) (ms >> (8 * (5 - i)));
 	id->data[6] = (uint8) (0x70 | ((sub >> 8) & 0x0F));
 	id->data[7] = (uint8) (sub & 0xFF);
-	id->data[8] = (uint8) (0x80 | (rnd & 0x3F));
-	counter++;
-	id->data[9] = (uint8) (counter >> 8);
-	id->data[10] = (uint8) counter;
-	id->data[11] = (uint8) (rnd >> 8);
-	id->data[12] = (uint8) (rnd >> 16);
-	id->data[13] = (uint8) (bucket >> 16);
-	id->data[14] = (uint8) (bucket >> 8);
-	id->data[15] = (uint8) bucket;
+	id->data[8] = (uint8) (0x80 | ((low >> 56) & 0x3F));
+	for (int i = 9; i < 16; i++)
+		id->data[i] = (uint8) (low >> (8 * (15 - i)));
 }
 
-/* created_at and bucket of an event id; false if it is not one of ours */
+/*
+ * What an event id says: created_at, the bucket and the emitting
+ * transaction (its epoch taken as the latest that makes it not newer than
+ * the next transaction id; events live far less than 2^31 transactions).
+ * False if it is not an event id.
+ */
 bool
-idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket)
+idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
+					 FullTransactionId *txid)
 {
 	uint64		ms = 0;
+	uint64		low = 0;
 	uint32		sub;
 
 	if ((id->data[6] & 0xF0) != 0x70 || (id->data[8] & 0xC0) != 0x80)
@@ -510,11 +536,39 @@ idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket)
 	sub = ((uint32) (id->data[6] & 0x0F) << 8) | id->data[7];
 	if (sub >= 1000)
 		return false;
-	*ts = (TimestampTz) (ms * 1000 + sub)
-		- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	if (ts != NULL)
+		*ts = (TimestampTz) (ms * 1000 + sub)
+			- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	low = id->data[8] & 0x3F;
+	for (int i = 9; i < 16; i++)
+		low = (low << 8) | id->data[i];
 	if (bucket != NULL)
-		*bucket = ((int32) id->data[13] << 16) | ((int32) id->data[14] << 8) | id->data[15];
+		*bucket = (int32) (low >> 38);
+	if (txid != NULL)
+	{
+		TransactionId xid = (TransactionId) ((low >> 6) & 0xFFFFFFFF);
+		FullTransactionId next = ReadNextFullTransactionId();
+		uint32		epoch = EpochFromFullTransactionId(next);
+
+		if (xid >= XidFromFullTransactionId(next) && epoch > 0)
+			epoch--;
+		*txid = FullTransactionIdFromEpochAndXid(epoch, xid);
+	}
 	return true;
+}
+
+/*
+ * The time of an event emitted now: the extension's clock, but never the
+ * same microsecond twice in a backend (so ids are unique) and never back.
+ */
+static TimestampTz
+event_time(void)
+{
+	static TimestampTz last = 0;
+	TimestampTz now = idem_now();
+
+	last = now > last ? now : last + 1;
+	return last;
 }
 
 /* a random (version 4) lease token */
@@ -773,15 +827,19 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		null_argument("payload");
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
-	ev.created_at = idem_now();
+	ev.created_at = event_time();
 
 	SPI_connect();
 	bucket = idem_outbox_target_bucket(ev.created_at);
-	outbox_event_id(ev.created_at, bucket, &ev.id);
+	outbox_event_id(ev.created_at, bucket, emitting_transaction(), &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	if (outbox_mode == MODE_WAL)
-		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+	{
+		n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+	}
 	else
 	{
 		values[2] = UUIDPGetDatum(&ev.id);
@@ -791,7 +849,9 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		values[6] = TimestampTzGetDatum(ev.created_at);
 		values[7] = FullTransactionIdGetDatum(emitting_transaction());
 		values[8] = Int32GetDatum(bucket);
-		n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
+		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_INSERT_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
 	}
 	if (n != 1)
 		elog(ERROR, "outbox emit wrote " UINT64_FORMAT " rows", n);
@@ -847,7 +907,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	int64	   *next_seq;
 	OutboxEvent *evs;
 	Jsonb	   *none = empty_headers();
-	TimestampTz now = idem_now();
+	TimestampTz now = event_time();
+	FullTransactionId txid = emitting_transaction();
 	int32		bucket;
 
 	InitMaterializedSRF(fcinfo, 0);
@@ -875,8 +936,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 									   OUTBOX_MAX_EVENT_TYPE_BYTES);
 		evs[i].payload = DatumGetJsonbP(payloads[i]);
 		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
-		evs[i].created_at = now;
-		outbox_event_id(now, bucket, &evs[i].id);
+		evs[i].created_at = i == 0 ? now : event_time();
+		outbox_event_id(evs[i].created_at, bucket, txid, &evs[i].id);
 		names[i] = (char *) evs[i].aggregate_id;
 	}
 
@@ -928,9 +989,11 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		Datum	   *ev_ids = palloc(sizeof(Datum) * n);
 		Datum	   *ev_seqs = palloc(sizeof(Datum) * n);
 		Datum	   *ev_headers = palloc(sizeof(Datum) * n);
+		Datum	   *ev_times = palloc(sizeof(Datum) * n);
 
 		for (int i = 0; i < n; i++)
 		{
+			ev_times[i] = TimestampTzGetDatum(evs[i].created_at);
 			ev_ids[i] = UUIDPGetDatum(&evs[i].id);
 			ev_seqs[i] = Int64GetDatum(evs[i].seq);
 			ev_headers[i] = JsonbPGetDatum(evs[i].headers);
@@ -941,8 +1004,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[3] = build_array(ev_seqs, NULL, n, INT8OID);
 		values[4] = build_array(types, NULL, n, TEXTOID);
 		values[5] = build_array(payloads, NULL, n, JSONBOID);
-		values[6] = TimestampTzGetDatum(now);
-		values[7] = FullTransactionIdGetDatum(emitting_transaction());
+		values[6] = build_array(ev_times, NULL, n, TIMESTAMPTZOID);
+		values[7] = FullTransactionIdGetDatum(txid);
 		values[8] = build_array(ev_headers, NULL, n, JSONBOID);
 		values[9] = Int32GetDatum(bucket);
 		(void) outbox_exec(ST_INSERT_MANY, values, NULL, SPI_OK_INSERT);
@@ -1844,29 +1907,39 @@ static FoundEvent *
 find_events(Datum *ids, int n, int *nfound)
 {
 	int32	   *buckets = palloc(sizeof(int32) * n);
-	Datum		values[2];
+	FullTransactionId *txids = palloc(sizeof(FullTransactionId) * n);
+	Datum	   *k_txids = palloc(sizeof(Datum) * n);
+	Datum	   *k_ids = palloc(sizeof(Datum) * n);
 	FoundEvent *found = NULL;
 	int			cap = 0;
 
 	*nfound = 0;
 	for (int i = 0; i < n; i++)
-	{
-		TimestampTz ts;
-
-		if (!idem_outbox_id_time(DatumGetUUIDP(ids[i]), &ts, &buckets[i]))
+		if (!idem_outbox_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], &txids[i]))
 			buckets[i] = 0;		/* not an event id */
-	}
-	values[0] = build_array(ids, NULL, n, UUIDOID);
+
+	/* one statement per partition the ids name (usually one) */
 	for (int i = 0; i < n; i++)
 	{
 		bool		seen = buckets[i] == 0;
+		int			m = 0;
+		Datum		values[3];
 		uint64		got;
 
 		for (int j = 0; j < i && !seen; j++)
 			seen = buckets[j] == buckets[i];
 		if (seen)
 			continue;
-		values[1] = Int32GetDatum(buckets[i]);
+		for (int j = i; j < n; j++)
+		{
+			if (buckets[j] != buckets[i])
+				continue;
+			k_txids[m] = FullTransactionIdGetDatum(txids[j]);
+			k_ids[m++] = ids[j];
+		}
+		values[0] = build_array(k_txids, NULL, m, XID8OID);
+		values[1] = build_array(k_ids, NULL, m, UUIDOID);
+		values[2] = Int32GetDatum(buckets[i]);
 		got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
 		if (*nfound + (int) got > cap)
 		{

@@ -182,8 +182,8 @@ COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
     'drop dead-lettered events for good';
 
 -- True if a partition holds an undelivered or dead-lettered event, so
--- maintenance must keep it.  Scans the partition: maintenance asks it only
--- of partitions past their retention.
+-- maintenance must keep it.  May scan the partition: maintenance asks it
+-- only of partitions past their retention.
 CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
     LANGUAGE plpgsql STABLE
@@ -193,12 +193,13 @@ DECLARE
     pinned boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM %1$s e'
+        'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
+        '                 ON e.aggregate_type = x.aggregate_type'
+        '                AND e.aggregate_id = x.aggregate_id AND e.seq = x.seq)'
+        '    OR EXISTS (SELECT 1 FROM %1$s e'
         '               LEFT JOIN idempotency.outbox_deliveries d'
         '                 ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id'
-        '               WHERE e.seq > coalesce(d.acked_seq, 0))'
-        '    OR EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x'
-        '               JOIN %1$s e ON e.id = x.id)', part)
+        '               WHERE e.seq > coalesce(d.acked_seq, 0))', part)
         INTO pinned;
     RETURN pinned;
 END
