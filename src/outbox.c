@@ -558,15 +558,23 @@ idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
 }
 
 /*
- * The time of an event emitted now: the extension's clock, but never the
- * same microsecond twice in a backend (so ids are unique) and never back.
+ * The time of an event emitted now by transaction txid: the extension's
+ * clock, but within one transaction never the same microsecond twice (so
+ * its ids are unique: see outbox_event_id()) and never back.
  */
 static TimestampTz
-event_time(void)
+event_time(FullTransactionId txid)
 {
+	static FullTransactionId last_txid = {0};
 	static TimestampTz last = 0;
 	TimestampTz now = idem_now();
 
+	if (!FullTransactionIdEquals(txid, last_txid))
+	{
+		last_txid = txid;
+		last = now;
+		return now;
+	}
 	last = now > last ? now : last + 1;
 	return last;
 }
@@ -819,6 +827,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	Datum		values[9];
 	uint64		n;
 	int32		bucket;
+	FullTransactionId txid;
 
 	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
 	ev.aggregate_id = name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
@@ -827,11 +836,12 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		null_argument("payload");
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
-	ev.created_at = event_time();
+	txid = emitting_transaction();
+	ev.created_at = event_time(txid);
 
 	SPI_connect();
 	bucket = idem_outbox_target_bucket(ev.created_at);
-	outbox_event_id(ev.created_at, bucket, emitting_transaction(), &ev.id);
+	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	if (outbox_mode == MODE_WAL)
@@ -847,7 +857,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		values[4] = JsonbPGetDatum(ev.payload);
 		values[5] = JsonbPGetDatum(ev.headers);
 		values[6] = TimestampTzGetDatum(ev.created_at);
-		values[7] = FullTransactionIdGetDatum(emitting_transaction());
+		values[7] = FullTransactionIdGetDatum(txid);
 		values[8] = Int32GetDatum(bucket);
 		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_INSERT_RETURNING);
 		if (n == 0)
@@ -907,8 +917,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	int64	   *next_seq;
 	OutboxEvent *evs;
 	Jsonb	   *none = empty_headers();
-	TimestampTz now = event_time();
 	FullTransactionId txid = emitting_transaction();
+	TimestampTz now = event_time(txid);
 	int32		bucket;
 
 	InitMaterializedSRF(fcinfo, 0);
@@ -936,7 +946,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 									   OUTBOX_MAX_EVENT_TYPE_BYTES);
 		evs[i].payload = DatumGetJsonbP(payloads[i]);
 		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
-		evs[i].created_at = i == 0 ? now : event_time();
+		evs[i].created_at = i == 0 ? now : event_time(txid);
 		outbox_event_id(evs[i].created_at, bucket, txid, &evs[i].id);
 		names[i] = (char *) evs[i].aggregate_id;
 	}
