@@ -201,6 +201,15 @@ SELECT idempotency.outbox_partition_pinned(:'keep_part') AS pinned;
 SELECT count(*) AS keep_part_dropped FROM idem_maintain() WHERE action = 'drop' AND object = :'keep_part';
 SELECT to_regclass(:'keep_part') IS NULL AS keep_part_gone;
 SELECT count(*) AS events_left FROM idempotency.outbox_events WHERE aggregate_type = 'keep';
+-- where nothing acks (change data capture reads the WAL), maintenance can
+-- be told not to keep undelivered events: a pinned partition goes too
+SELECT seq FROM idem_outbox_emit('cdc', 'c-1', 'pending', '{}');
+SELECT tableoid::regclass AS cdc_part FROM idempotency.outbox_events WHERE aggregate_type = 'cdc' \gset
+SET idempotency.debug_clock_offset = '300h';
+SELECT count(*) AS cdc_part_dropped FROM idem_maintain() WHERE action = 'drop' AND object = :'cdc_part';
+SET idempotency.outbox_keep_undelivered = off;
+SELECT count(*) AS cdc_part_dropped FROM idem_maintain() WHERE action = 'drop' AND object = :'cdc_part';
+RESET idempotency.outbox_keep_undelivered;
 -- the ranges that take events stay contiguous
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r

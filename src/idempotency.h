@@ -186,6 +186,7 @@ extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 /* partition buckets are 1 .. IDEM_OUTBOX_BUCKETS; event ids carry 24 bits */
 #define IDEM_OUTBOX_BUCKETS		((1 << 24) - 1)
 
+extern bool idem_outbox_keep_undelivered;
 extern void idem_outbox_init(void);
 extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
 								 FullTransactionId *txid);

@@ -153,6 +153,7 @@ static const struct config_enum_entry mode_options[] = {
 };
 
 static int	outbox_max_attempts = 10;
+bool		idem_outbox_keep_undelivered = true;
 static int	outbox_dead_policy = DEAD_BLOCK;
 static int	outbox_notify = NOTIFY_COMMIT;
 static int	outbox_mode = MODE_TABLE;
@@ -168,6 +169,13 @@ idem_outbox_init(void)
 							10, 1, 1000,
 							PGC_USERSET, 0,
 							NULL, NULL, NULL);
+	DefineCustomBoolVariable("idempotency.outbox_keep_undelivered",
+							 "Whether maintenance keeps outbox partitions that hold undelivered or dead-lettered events.",
+							 "Turn off where no relay acks (change data capture reads the events from the WAL).",
+							 &idem_outbox_keep_undelivered,
+							 true,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_dead_policy",
 							 "What a dead-lettered event does to the rest of its aggregate: block or skip.",
 							 NULL,

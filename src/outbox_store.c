@@ -22,7 +22,8 @@
  * The partitions follow the settings of the claims store (retention,
  * partition_interval, premake); an outbox partition is kept for the
  * retention after its upper bound or its newest event, whichever is later,
- * and longer while pinned.
+ * and longer while pinned (unless idempotency.outbox_keep_undelivered is
+ * off, for change data capture without a relay).
  *
  * Locking rules:
  *	- A partition is made as a table of its own and then attached:
@@ -274,7 +275,7 @@ drop_one(void *arg)
 
 	if (partition_newest(c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
 		return false;			/* took events while maintenance lagged */
-	if (partition_pinned(c->p->relid))
+	if (idem_outbox_keep_undelivered && partition_pinned(c->p->relid))
 	{
 		idem_report_action(c->r->rep, "keep (pinned)", c->name);
 		return false;

@@ -14,7 +14,7 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(306);
+SELECT plan(307);
 
 -- helpers -------------------------------------------------------------------
 
@@ -159,9 +159,11 @@ SELECT is(current_setting('idempotency.outbox_max_attempts'), '10', 'outbox_max_
 SELECT is(current_setting('idempotency.outbox_dead_policy'), 'block', 'outbox_dead_policy defaults to block');
 SELECT is(current_setting('idempotency.outbox_notify'), 'commit', 'outbox_notify defaults to commit');
 SELECT is(current_setting('idempotency.outbox_mode'), 'table', 'outbox_mode defaults to table');
+SELECT is(current_setting('idempotency.outbox_keep_undelivered'), 'on', 'outbox_keep_undelivered defaults to on');
 SELECT is(ARRAY(SELECT name || '=' || context FROM pg_settings
                  WHERE name LIKE 'idempotency.outbox%' OR name = 'idempotency.debug_clock_offset' ORDER BY name),
           ARRAY['idempotency.debug_clock_offset=superuser', 'idempotency.outbox_dead_policy=user',
+                'idempotency.outbox_keep_undelivered=user',
                 'idempotency.outbox_max_attempts=user', 'idempotency.outbox_mode=user',
                 'idempotency.outbox_notify=user'],
           'outbox settings are user settings; the test clock is superuser only');
