@@ -351,13 +351,20 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		"                WHERE (position, event_id) < ($1, $2) FOR UPDATE SKIP LOCKED)",
 		2, {XID8OID, UUIDOID}
 	},
+	/*
+	 * A page of events from ($1, $2) on, in scan order.  The constant
+	 * LIMIT keeps the plan an ordered merge of the partitions' (txid, id)
+	 * indexes, whatever the statistics say about how many rows follow.
+	 */
 	[ST_SCAN] = {
 		"SELECT e.txid, e.aggregate_type, e.aggregate_id, e.seq, e.id, e.event_type,"
 		"       e.payload, e.headers, e.created_at, d.acked_seq, d.lease_until, d.retry_at"
-		" FROM idempotency.outbox_events e"
-		" LEFT JOIN idempotency.outbox_deliveries d"
-		"   ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
-		" WHERE (e.txid, e.id) >= ($1, $2)"
+		" FROM (SELECT * FROM idempotency.outbox_events e"
+		"       WHERE (e.txid, e.id) >= ($1, $2)"
+		"       ORDER BY e.txid, e.id LIMIT " CppAsString2(OUTBOX_SCAN_CHUNK) ") e"
+		" LEFT JOIN LATERAL (SELECT d.acked_seq, d.lease_until, d.retry_at"
+		"   FROM idempotency.outbox_deliveries d"
+		"   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id) d ON true"
 		" ORDER BY e.txid, e.id",
 		2, {XID8OID, UUIDOID}
 	},
@@ -465,8 +472,14 @@ outbox_plan(OutboxStatement st)
 		int			nestlevel = idem_pin_search_path();
 		SPIPlanPtr	plan;
 
-		plan = SPI_prepare(outbox_plans[st].sql, outbox_plans[st].nargs,
-						   (Oid *) outbox_plans[st].argtypes);
+		/*
+		 * Generic plans: every statement is an index probe or an ordered
+		 * index scan whatever the arguments, and planning each call would
+		 * cost more than the work.
+		 */
+		plan = SPI_prepare_cursor(outbox_plans[st].sql, outbox_plans[st].nargs,
+								  (Oid *) outbox_plans[st].argtypes,
+								  CURSOR_OPT_GENERIC_PLAN);
 		if (plan == NULL)
 			elog(ERROR, "SPI_prepare failed (%s): %s",
 				 SPI_result_code_string(SPI_result), outbox_plans[st].sql);
@@ -1795,25 +1808,21 @@ claim_by_cursor(Claim *c)
 	bool		pending_seen = false;
 	OutboxPos	last_seen = from;
 	bool		exhausted = false;
+	bool		first_page = true;
 	CandidateSet cs = {0};
-	Datum		args[2];
-	Portal		portal;
 
-	args[0] = FullTransactionIdGetDatum(from.txid);
-	args[1] = UUIDPGetDatum(&from.id);
-	portal = SPI_cursor_open(NULL, outbox_plan(ST_SCAN), args, NULL, false);
 	while (c->taken < c->batch)
 	{
 		SPITupleTable *tt;
+		uint64		got;
+		Datum		args[2];
 
-		SPI_cursor_fetch(portal, true, OUTBOX_SCAN_CHUNK);
+		/* pages follow each other by key: each starts at the last row seen */
+		args[0] = FullTransactionIdGetDatum(last_seen.txid);
+		args[1] = UUIDPGetDatum(&last_seen.id);
+		got = outbox_exec(ST_SCAN, args, NULL, SPI_OK_SELECT);
 		tt = SPI_tuptable;
-		if (SPI_processed == 0)
-		{
-			exhausted = true;
-			break;
-		}
-		for (uint64 r = 0; r < SPI_processed; r++)
+		for (uint64 r = 0; r < got; r++)
 		{
 			HeapTuple	tup = tt->vals[r];
 			TupleDesc	desc = tt->tupdesc;
@@ -1821,13 +1830,17 @@ claim_by_cursor(Claim *c)
 			int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
 			Datum		acked = heap_getattr(tup, 10, desc, &isnull);
 			bool		has_row = !isnull;
+			OutboxPos	pos;
 			Datum		until;
 			char	   *type;
 			char	   *id;
 			Candidate  *cand;
 
-			last_seen.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
-			memcpy(&last_seen.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
+			pos.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
+			memcpy(&pos.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
+			if (!first_page && pos_cmp(&pos, &last_seen) == 0)
+				continue;		/* the last row of the previous page */
+			last_seen = pos;
 			if (has_row && seq <= DatumGetInt64(acked))
 				continue;		/* delivered */
 			(void) heap_getattr(tup, 12, desc, &isnull);
@@ -1835,7 +1848,7 @@ claim_by_cursor(Claim *c)
 				continue;		/* parked: found through retry_at */
 			if (!pending_seen)
 			{
-				first_pending = last_seen;
+				first_pending = pos;
 				pending_seen = true;
 			}
 			until = heap_getattr(tup, 11, desc, &isnull);
@@ -1851,9 +1864,14 @@ claim_by_cursor(Claim *c)
 			cand->has_row = has_row;
 			candidate_add_event(cand, tup, desc, seq);
 		}
+		first_page = false;
 		lease_candidates(c, &cs);
+		if (got < OUTBOX_SCAN_CHUNK)
+		{
+			exhausted = true;
+			break;
+		}
 	}
-	SPI_cursor_close(portal);
 
 	/* the cursor moves up to the first pending event, never past horizon */
 	if (pending_seen && pos_cmp(&first_pending, &horizon) < 0)
