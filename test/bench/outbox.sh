@@ -537,8 +537,29 @@ wal_side() {
         l3=$(lsn $db)
     done
     local n=$((per * CLIENTS))
+    waldump_top "$side emit" "$l0" "$l1" "$n"
+    waldump_top "$side drain" "$l1" "$l2" "$n"
     WAL_E=$(($(lsn_diff "$l0" "$l1") / n)) WAL_D=$(($(lsn_diff "$l0" "$l2") / n))
     WAL_V=$(($(lsn_diff "$l0" "$l3") / n))
+}
+
+# waldump_top LABEL FROM TO EVENTS: the record types that wrote the most WAL
+# between two LSNs, in bytes per event (needs pg_waldump and the data
+# directory, IDEM_DATA, which test/bench/run exports)
+waldump_top() {
+    local label=$1 from=$2 to=$3 n=$4 wd out
+    [[ -n ${IDEM_DATA:-} && -d $IDEM_DATA/pg_wal ]] || return 0
+    wd=$(command -v pg_waldump) || return 0
+    sleep 0.5   # asynchronous commits: let the WAL writer flush the range
+    out=$("$wd" --stats=record -p "$IDEM_DATA/pg_wal" -s "$from" -e "$to" 2>/dev/null |
+        awk -v n="$n" '
+            # Type N (%) Record size (%) FPI size (%) Combined size (%)
+            { gsub(/\([^)]*\)/, "") }
+            $1 ~ /\// && NF == 5 && $5 > 0 { printf "%d %s\n", $5, $1 }' |
+        sort -rn | head -n 6 |
+        awk -v n="$n" '{ printf "%s%s %.0f", (NR > 1 ? ", " : ""), $2, $1 / n }') || true
+    [[ -n $out ]] && echo "    WAL by record type, $label, bytes/event: $out"
+    return 0
 }
 
 part_wal() {
