@@ -27,7 +27,10 @@
 #             two transactions; baseline one DELETE ... SKIP LOCKED ... RETURNING
 #             of 100.  Each relay runs events / (100 * relays) transactions,
 #             timed by the wall clock; events/s = events delivered / seconds
-#             (target >= 1.5x).  Delivered events of the candidate stay in
+#             (target >= 1.5x); a drain still running after
+#             IDEM_OUTBOX_DRAIN_MAX_SECONDS is stopped and counted as far as it
+#             got (what is left is then acked administratively, untimed).
+#             Delivered events of the candidate stay in
 #             their partitions (they leave by partition drop), so later
 #             rounds run beside the earlier rounds' events, as in production;
 #             the baseline's table is vacuumed before each drain.
@@ -66,6 +69,9 @@
 #   IDEM_OUTBOX_EVENTS      events loaded per drain (200000)
 #   IDEM_OUTBOX_RELAYS      relay counts for (b) (default "2 4")
 #   IDEM_OUTBOX_BATCH       claim / DELETE batch (100)
+#   IDEM_OUTBOX_DRAIN_MAX_SECONDS
+#                           a drain of (b) is stopped after this many seconds
+#                           (15); the round then reports what it delivered
 #   IDEM_OUTBOX_E2E_SECONDS seconds per side and round of (c) (2 x IDEM_BENCH_SECONDS)
 #   IDEM_OUTBOX_IDLE_MS     relay sleep after a short batch in (c) (10)
 #   IDEM_OUTBOX_PGQ_TICKER  consumer | pgqd (consumer)
@@ -88,6 +94,7 @@ E2E_SECS=${IDEM_OUTBOX_E2E_SECONDS:-$((2 * SECS))}
 IDLE=${IDEM_OUTBOX_IDLE_MS:-10}
 TICKER=${IDEM_OUTBOX_PGQ_TICKER:-consumer}
 WAL_EV=${IDEM_OUTBOX_WAL_EVENTS:-20000}
+DRAIN_MAX=${IDEM_OUTBOX_DRAIN_MAX_SECONDS:-15}
 BASE_ONLY=${IDEM_OUTBOX_BASELINE_ONLY:-}
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/obbench.XXXXXX")
@@ -197,6 +204,22 @@ backlog_idem() {
 backlog_plain() { q "$1" -c "SELECT count(*) FROM bench_outbox"; }
 acked_idem() { q "$1" -c "SELECT coalesce(sum(acked_seq), 0) FROM idempotency.outbox_deliveries"; }
 emitted_idem() { q "$1" -c "SELECT coalesce(sum(last_seq), 0) FROM idempotency.outbox_sequences"; }
+
+# settle_idem DB: mark every pending event delivered with an administrative
+# ack (no lease token: leases of stopped relays do not matter); untimed
+# clean-up between rounds
+settle_idem() {
+    q "$1" >/dev/null <<'SQL'
+SELECT idem_outbox_ack(ARRAY(
+    SELECT e.id FROM idempotency.outbox_events e
+    LEFT JOIN idempotency.outbox_deliveries d
+      ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
+    WHERE e.seq > coalesce(d.acked_seq, 0)));
+SQL
+    local left
+    left=$(backlog_idem "$1")
+    ((left == 0)) || die "$1: $left events still undelivered after an administrative ack of all"
+}
 
 # drain_all_idem / drain_all_plain DB: relays of 100 until nothing is left
 drain_all_idem() {
@@ -312,18 +335,34 @@ drain_round() {
     if [[ $side == plain ]]; then
         before=$(backlog_plain $db)
         t0=$(now)
-        pgb $db outbox_relay_plain.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH"
+        drain_pgbench $db outbox_relay_plain.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH"
         t1=$(now)
         after=$(backlog_plain $db)
     else
         before=$(backlog_idem $db)
         t0=$(now)
-        pgb $db outbox_relay_idem.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH" -D idle=0
+        drain_pgbench $db outbox_relay_idem.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH" -D idle=0
         t1=$(now)
         after=$(backlog_idem $db)
     fi
     DR_EV=$((before - after)) DR_LEFT=$after
     DR_SECS=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
+}
+
+# drain_pgbench DB SCRIPT ARGS...: pgb, stopped (SIGINT) after DRAIN_MAX
+# seconds; sets DR_CAPPED
+drain_pgbench() {
+    local db=$1 script=$2 rc=0
+    shift 2
+    DR_CAPPED=""
+    PGDATABASE=$db PGOPTIONS="-c synchronous_commit=off" timeout -s INT "$DRAIN_MAX" \
+        pgbench -n -M prepared "$@" -f "$dir/$script" >"$tmp/pgbench.out" 2>&1 || rc=$?
+    if [[ $rc == 124 ]]; then
+        DR_CAPPED=" (stopped after ${DRAIN_MAX}s)"
+    elif [[ $rc != 0 ]] || grep -q aborted "$tmp/pgbench.out"; then
+        cat "$tmp/pgbench.out" >&2
+        die "pgbench failed on $script"
+    fi
 }
 
 part_drain() {
@@ -348,16 +387,16 @@ part_drain() {
                 rate=$(awk -v e="$ev" -v s="$secs" 'BEGIN { printf "%.1f", e / s }')
                 if [[ $s == plain ]]; then
                     B[$nrel]+="$rate "
-                    line+="  DELETE SKIP LOCKED $ev events in ${secs}s = $(fmt "$rate")/s ($left left)"
+                    line+="  DELETE SKIP LOCKED $ev events in ${secs}s = $(fmt "$rate")/s ($left left$DR_CAPPED)"
                 else
                     C[$nrel]+="$rate "
-                    line+="  claim+ack $ev events in ${secs}s = $(fmt "$rate")/s ($left left)"
+                    line+="  claim+ack $ev events in ${secs}s = $(fmt "$rate")/s ($left left$DR_CAPPED)"
                 fi
             done
             echo "  round $r, $nrel relays:$line"
             # what a round leaves behind (SKIP LOCKED stragglers) goes before the next
             drain_all_plain $db
-            [[ -z $BASE_ONLY ]] && drain_all_idem $db
+            [[ -z $BASE_ONLY ]] && settle_idem $db
         done
     done
     for nrel in $RELAYS; do
@@ -477,7 +516,7 @@ SQL
         done
         echo "  round $r:$line"
         # the next round starts with both queues empty
-        [[ -z $BASE_ONLY ]] && drain_all_idem $db
+        [[ -z $BASE_ONLY ]] && settle_idem $db
         pgb $db outbox_relay_pgq.sql -c 1 -j 1 -T 2 -D tick=1 -D idle=0
     done
     ratio "outbox (c) end to end, $CLIENTS emitters + 1 relay, delivered" events/s idem "${ID[@]:-0}" -- PgQ "${PD[@]}"
