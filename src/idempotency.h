@@ -25,6 +25,7 @@
 #include "utils/elog.h"
 #include "utils/relcache.h"
 #include "utils/snapshot.h"
+#include "utils/uuid.h"
 
 /* Name of the schema that holds the extension's tables and internals. */
 #define IDEM_SCHEMA "idempotency"
@@ -180,7 +181,14 @@ extern char *idem_partition_name(const char *prefix, TimestampTz lower);
 extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 
 /*---- outbox.c and outbox_store.c: the transactional outbox ----*/
+
+/* partition buckets are 1 .. IDEM_OUTBOX_BUCKETS; event ids carry 24 bits */
+#define IDEM_OUTBOX_BUCKETS		((1 << 24) - 1)
+
 extern void idem_outbox_init(void);
+extern bool idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket);
+extern void idem_outbox_store_init(void);
+extern int32 idem_outbox_target_bucket(TimestampTz now);
 extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
 /* worker.c: the maintenance background worker */

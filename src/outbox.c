@@ -155,6 +155,7 @@ static int	outbox_mode = MODE_TABLE;
 void
 idem_outbox_init(void)
 {
+	idem_outbox_store_init();
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
 							"Failed attempts after which an outbox event is dead-lettered.",
 							NULL,
@@ -199,7 +200,7 @@ idem_outbox_init(void)
 	" JOIN unnest($1::text[], $2::text[]) AS k(t, i)" \
 	"   ON d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\""
 #define EVENT_COLUMNS \
-	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid"
+	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
 
 typedef enum
 {
@@ -241,9 +242,9 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
 		" RETURNING q.last_seq)"
 		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8 FROM s"
+		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
 		" RETURNING seq",
-		8, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID}
+		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
 	},
 	[ST_EMIT_SEQ] = {
 		"INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
@@ -265,11 +266,11 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 	},
 	[ST_INSERT_MANY] = {
 		"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, $7, $8"
+		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, $7, $8, $10"
 		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[])"
 		"   AS u(id, aid, seq, et, p, h)",
-		9, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
-			TIMESTAMPTZOID, XID8OID, JSONBARRAYOID}
+		10, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
+			TIMESTAMPTZOID, XID8OID, JSONBARRAYOID, INT4OID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position FROM idempotency.outbox_cursor", 0, {0}
@@ -364,12 +365,11 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" ON CONFLICT (id) DO NOTHING",
 		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
 	},
-	/* the ids carry created_at: the range prunes partitions */
+	/* the ids carry their bucket: one partition at a time */
 	[ST_FIND_EVENTS] = {
 		"SELECT e.aggregate_type, e.aggregate_id, e.seq FROM idempotency.outbox_events e"
-		" WHERE e.created_at >= $2 AND e.created_at <= $3 AND e.id = ANY ($1)"
-		" ORDER BY 1, 2, 3",
-		3, {UUIDARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+		" WHERE e.bucket = $2 AND e.id = ANY ($1)",
+		2, {UUIDARRAYOID, INT4OID}
 	},
 	[ST_LOCK_DELIVERIES] = {
 		"SELECT " DELIVERY_COLUMNS
@@ -441,31 +441,41 @@ spi_col(uint64 row, int col, bool *isnull)
 /*---- ids and tokens ----*/
 
 /*
- * A UUIDv7 (RFC 9562) for an event created at "ts": 48 bits of Unix
- * milliseconds, then the microseconds within that millisecond in the 12 bits
- * of rand_a (its "increased clock precision" use), then 62 random bits.  So
- * the id gives created_at back exactly, and ids sort by time.
+ * A UUIDv7 (RFC 9562) for an event created at "ts" in partition "bucket":
+ * 48 bits of Unix milliseconds, the microseconds within that millisecond in
+ * the 12 bits of rand_a (its "increased clock precision" use), then, after
+ * the variant, 6 random bits, a 16-bit counter of this backend, 16 random
+ * bits and the 24-bit bucket.  So the id gives back created_at exactly and
+ * the partition it is in, ids sort by time, and a backend's ids never repeat
+ * within a microsecond.
  */
 static void
-outbox_event_id(TimestampTz ts, pg_uuid_t *id)
+outbox_event_id(TimestampTz ts, int32 bucket, pg_uuid_t *id)
 {
+	static uint16 counter = 0;
 	int64		unix_us = ts + (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
 	uint64		ms = (uint64) (unix_us / 1000);
 	uint32		sub = (uint32) (unix_us % 1000);
-	uint64		rnd = pg_prng_uint64(&pg_global_prng_state);
+	uint32		rnd = pg_prng_uint32(&pg_global_prng_state);
 
 	for (int i = 0; i < 6; i++)
 		id->data[i] = (uint8) (ms >> (8 * (5 - i)));
 	id->data[6] = (uint8) (0x70 | ((sub >> 8) & 0x0F));
 	id->data[7] = (uint8) (sub & 0xFF);
-	for (int i = 8; i < 16; i++)
-		id->data[i] = (uint8) (rnd >> (8 * (i - 8)));
-	id->data[8] = (id->data[8] & 0x3F) | 0x80;
+	id->data[8] = (uint8) (0x80 | (rnd & 0x3F));
+	counter++;
+	id->data[9] = (uint8) (counter >> 8);
+	id->data[10] = (uint8) counter;
+	id->data[11] = (uint8) (rnd >> 8);
+	id->data[12] = (uint8) (rnd >> 16);
+	id->data[13] = (uint8) (bucket >> 16);
+	id->data[14] = (uint8) (bucket >> 8);
+	id->data[15] = (uint8) bucket;
 }
 
-/* created_at of an event id; false if it is not one of ours */
-static bool
-outbox_id_time(const pg_uuid_t *id, TimestampTz *ts)
+/* created_at and bucket of an event id; false if it is not one of ours */
+bool
+idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket)
 {
 	uint64		ms = 0;
 	uint32		sub;
@@ -479,6 +489,8 @@ outbox_id_time(const pg_uuid_t *id, TimestampTz *ts)
 		return false;
 	*ts = (TimestampTz) (ms * 1000 + sub)
 		- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	if (bucket != NULL)
+		*bucket = ((int32) id->data[13] << 16) | ((int32) id->data[14] << 8) | id->data[15];
 	return true;
 }
 
@@ -727,8 +739,9 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 {
 	OutboxEvent ev;
 	TupleDesc	desc = event_tupdesc(fcinfo);
-	Datum		values[8];
+	Datum		values[9];
 	uint64		n;
+	int32		bucket;
 
 	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
 	ev.aggregate_id = name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
@@ -738,9 +751,10 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
 	ev.created_at = idem_now();
-	outbox_event_id(ev.created_at, &ev.id);
 
 	SPI_connect();
+	bucket = idem_outbox_target_bucket(ev.created_at);
+	outbox_event_id(ev.created_at, bucket, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	if (outbox_mode == MODE_WAL)
@@ -753,6 +767,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		values[5] = JsonbPGetDatum(ev.headers);
 		values[6] = TimestampTzGetDatum(ev.created_at);
 		values[7] = FullTransactionIdGetDatum(emitting_transaction());
+		values[8] = Int32GetDatum(bucket);
 		n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
 	}
 	if (n != 1)
@@ -810,6 +825,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	OutboxEvent *evs;
 	Jsonb	   *none = empty_headers();
 	TimestampTz now = idem_now();
+	int32		bucket;
 
 	InitMaterializedSRF(fcinfo, 0);
 	n = array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
@@ -822,6 +838,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	if (n == 0)
 		return (Datum) 0;
 
+	SPI_connect();
+	bucket = idem_outbox_target_bucket(now);
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);
 	for (int i = 0; i < n; i++)
@@ -833,7 +851,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		evs[i].payload = DatumGetJsonbP(payloads[i]);
 		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
 		evs[i].created_at = now;
-		outbox_event_id(now, &evs[i].id);
+		outbox_event_id(now, bucket, &evs[i].id);
 		names[i] = (char *) evs[i].aggregate_id;
 	}
 
@@ -851,7 +869,6 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		counts[nagg++] = Int64GetDatum(1);
 	}
 
-	SPI_connect();
 	next_seq = palloc(sizeof(int64) * nagg);
 	{
 		Datum		values[3];
@@ -881,7 +898,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 
 	if (outbox_mode != MODE_WAL)
 	{
-		Datum		values[9];
+		Datum		values[10];
 		Datum	   *ev_ids = palloc(sizeof(Datum) * n);
 		Datum	   *ev_seqs = palloc(sizeof(Datum) * n);
 		Datum	   *ev_headers = palloc(sizeof(Datum) * n);
@@ -901,6 +918,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[6] = TimestampTzGetDatum(now);
 		values[7] = FullTransactionIdGetDatum(emitting_transaction());
 		values[8] = build_array(ev_headers, NULL, n, JSONBOID);
+		values[9] = Int32GetDatum(bucket);
 		(void) outbox_exec(ST_INSERT_MANY, values, NULL, SPI_OK_INSERT);
 	}
 	SPI_finish();
@@ -1378,13 +1396,17 @@ full_xid_min(FullTransactionId a, FullTransactionId b)
 }
 
 /*
- * The oldest transaction that may still commit an event: the xmin of a
- * snapshot taken now, as a full id.  Every event from below it is final.
+ * The oldest transaction that may still commit an event, as the scan will
+ * see it: the xmin of a snapshot taken now (the scan's, taken later, has a
+ * later one), or under REPEATABLE READ of the transaction's snapshot, which
+ * the scan uses.  Every event from below it is final and visible to the
+ * scan.
  */
 static FullTransactionId
 event_horizon(void)
 {
-	Snapshot	snap = GetLatestSnapshot();
+	Snapshot	snap = IsolationUsesXactSnapshot() ? GetTransactionSnapshot()
+		: GetLatestSnapshot();
 	FullTransactionId next = ReadNextFullTransactionId();
 	TransactionId xmin = snap->xmin;
 	uint32		epoch = EpochFromFullTransactionId(next);
@@ -1702,7 +1724,7 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 
 /*---- settling: ack, nack, extend ----*/
 
-/* (aggregate, seq) of the events with these ids, sorted */
+/* (aggregate, seq) of an event */
 typedef struct FoundEvent
 {
 	char	   *aggregate_type;
@@ -1710,41 +1732,67 @@ typedef struct FoundEvent
 	int64		seq;
 } FoundEvent;
 
+static int
+found_event_cmp(const void *a, const void *b)
+{
+	const FoundEvent *x = a;
+	const FoundEvent *y = b;
+	int			c = strcmp(x->aggregate_type, y->aggregate_type);
+
+	if (c == 0)
+		c = strcmp(x->aggregate_id, y->aggregate_id);
+	if (c == 0)
+		c = x->seq < y->seq ? -1 : (x->seq > y->seq ? 1 : 0);
+	return c;
+}
+
+/* The events with these ids, sorted by aggregate and seq; unknown ids are left out. */
 static FoundEvent *
 find_events(Datum *ids, int n, int *nfound)
 {
-	TimestampTz lo = DT_NOEND;
-	TimestampTz hi = DT_NOBEGIN;
-	Datum		values[3];
-	FoundEvent *found;
-	uint64		got;
+	int32	   *buckets = palloc(sizeof(int32) * n);
+	Datum		values[2];
+	FoundEvent *found = NULL;
+	int			cap = 0;
 
 	*nfound = 0;
 	for (int i = 0; i < n; i++)
 	{
 		TimestampTz ts;
 
-		if (!outbox_id_time(DatumGetUUIDP(ids[i]), &ts))
-			continue;			/* not an event id */
-		lo = Min(lo, ts);
-		hi = Max(hi, ts);
+		if (!idem_outbox_id_time(DatumGetUUIDP(ids[i]), &ts, &buckets[i]))
+			buckets[i] = 0;		/* not an event id */
 	}
-	if (lo > hi)
-		return NULL;
 	values[0] = build_array(ids, NULL, n, UUIDOID);
-	values[1] = TimestampTzGetDatum(lo);
-	values[2] = TimestampTzGetDatum(hi);
-	got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
-	found = palloc(sizeof(FoundEvent) * Max(got, 1));
-	for (uint64 r = 0; r < got; r++)
+	for (int i = 0; i < n; i++)
 	{
-		bool		isnull;
+		bool		seen = buckets[i] == 0;
+		uint64		got;
 
-		found[r].aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
-		found[r].aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
-		found[r].seq = DatumGetInt64(spi_col(r, 3, &isnull));
+		for (int j = 0; j < i && !seen; j++)
+			seen = buckets[j] == buckets[i];
+		if (seen)
+			continue;
+		values[1] = Int32GetDatum(buckets[i]);
+		got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
+		if (*nfound + (int) got > cap)
+		{
+			cap = *nfound + (int) got + 16;
+			found = found == NULL ? palloc(sizeof(FoundEvent) * cap)
+				: repalloc(found, sizeof(FoundEvent) * cap);
+		}
+		for (uint64 r = 0; r < got; r++)
+		{
+			FoundEvent *f = &found[(*nfound)++];
+			bool		isnull;
+
+			f->aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
+			f->aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
+			f->seq = DatumGetInt64(spi_col(r, 3, &isnull));
+		}
 	}
-	*nfound = (int) got;
+	if (*nfound > 1)
+		qsort(found, *nfound, sizeof(FoundEvent), found_event_cmp);
 	return found;
 }
 

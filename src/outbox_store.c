@@ -6,42 +6,51 @@
  *	  calls idem_outbox_maintain()), never while they hold an undelivered or
  *	  dead-lettered event.
  *
- * idempotency.outbox_events is a declarative range-partitioned table on
- * created_at, so emitters insert through the parent and a publication with
- * publish_via_partition_root covers partitions made later.  Its default
- * partition (made by the install script) takes events while no range
- * covers their time; retention leaves it alone (it is an extension member:
- * its rows are dumped as configuration data).
+ * idempotency.outbox_events is a declarative LIST-partitioned table on
+ * "bucket": each partition takes one random bucket, and idempotency.
+ * outbox_partitions gives it the time range of the events it takes.  So
+ * emitters insert through the parent (a publication with
+ * publish_via_partition_root covers partitions made later), and partitions
+ * restored from a dump never clash with those CREATE EXTENSION made in the
+ * target.  Emitters choose the partition from a per-backend cache of the
+ * registry, dropped by the registry's invalidation trigger: the one whose
+ * range covers the time, else (maintenance lagging) the newest that has
+ * begun, so an event always has a partition.  Each partition carries its
+ * own indexes (the parent has none, so that pg_restore can attach dumped
+ * partitions to the parent the extension made).
  *
  * The partitions follow the settings of the claims store (retention,
  * partition_interval, premake); an outbox partition is kept for the
- * retention after its upper bound, and longer while pinned.
+ * retention after its upper bound or its newest event, whichever is later,
+ * and longer while pinned.
  *
  * Locking rules:
  *	- A partition is made as a table of its own and then attached:
  *	  ATTACH PARTITION takes ShareUpdateExclusiveLock on the parent, which
  *	  neither emitters (RowExclusiveLock) nor relays (AccessShareLock)
- *	  conflict with; it scans the default partition under lock, which is
- *	  empty unless maintenance lagged.
+ *	  conflict with.  An emitter with a stale cache just uses an older
+ *	  partition.
  *	- Dropping a partition takes AccessExclusiveLock on it and on the
  *	  parent.  Both are only tried, a few times over half a second, never
  *	  queued for: emitters and relays never wait behind a drop, and a busy
  *	  parent leaves the drop to a later round.
  *	- Whether a partition is pinned is read before those locks: only a
  *	  redrive moves an aggregate back, and a partition past its retention
- *	  gets no new events.
+ *	  gets no new events (emitters choose a newer one).
  *
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
 
 #include "catalog/pg_type.h"
-#include "commands/extension.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
+#include "common/pg_prng.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
+#include "utils/inval.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #define OUTBOX_PARTITION_PREFIX	"outbox"
@@ -53,9 +62,28 @@
 typedef struct OutboxPartition
 {
 	Oid			relid;
+	int32		bucket;
 	TimestampTz lower;
 	TimestampTz upper;
 } OutboxPartition;
+
+/* the emitters' cache of the registry, newest first */
+static OutboxPartition *cached_parts = NULL;
+static int	cached_nparts = -1;		/* -1: not read */
+static Oid	cached_registry = InvalidOid;
+
+static void
+outbox_cache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == cached_registry)
+		cached_nparts = -1;
+}
+
+void
+idem_outbox_store_init(void)
+{
+	CacheRegisterRelcacheCallback(outbox_cache_callback, (Datum) 0);
+}
 
 typedef struct OutboxRound
 {
@@ -64,13 +92,6 @@ typedef struct OutboxRound
 	TimestampTz now;
 	Oid			parent;
 } OutboxRound;
-
-static char *
-timestamp_literal(TimestampTz t)
-{
-	return quote_literal_cstr(DatumGetCString(DirectFunctionCall1(timestamptz_out,
-																  TimestampTzGetDatum(t))));
-}
 
 /* Forget registry rows whose table was dropped by hand. */
 static void
@@ -91,8 +112,9 @@ read_partitions(int *n)
 {
 	OutboxPartition *parts;
 
-	if (SPI_execute("SELECT relid::pg_catalog.oid, lower, upper FROM idempotency.outbox_partitions"
-					" ORDER BY lower", true, 0) != SPI_OK_SELECT)
+	if (SPI_execute("SELECT relid::pg_catalog.oid, bucket, lower, upper"
+					" FROM idempotency.outbox_partitions ORDER BY lower, relid::pg_catalog.oid",
+					true, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not read idempotency.outbox_partitions");
 	*n = (int) SPI_processed;
 	parts = palloc(sizeof(OutboxPartition) * Max(*n, 1));
@@ -103,24 +125,11 @@ read_partitions(int *n)
 		bool		isnull;
 
 		parts[i].relid = DatumGetObjectId(SPI_getbinval(tup, desc, 1, &isnull));
-		parts[i].lower = DatumGetTimestampTz(SPI_getbinval(tup, desc, 2, &isnull));
-		parts[i].upper = DatumGetTimestampTz(SPI_getbinval(tup, desc, 3, &isnull));
+		parts[i].bucket = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
+		parts[i].lower = DatumGetTimestampTz(SPI_getbinval(tup, desc, 3, &isnull));
+		parts[i].upper = DatumGetTimestampTz(SPI_getbinval(tup, desc, 4, &isnull));
 	}
 	return parts;
-}
-
-/* The newest created_at in the default partition, or DT_NOBEGIN. */
-static TimestampTz
-default_newest(void)
-{
-	bool		isnull;
-	Datum		v;
-
-	if (SPI_execute("SELECT max(created_at) FROM idempotency.outbox_events_default",
-					true, 0) != SPI_OK_SELECT || SPI_processed != 1)
-		elog(ERROR, "could not read idempotency.outbox_events_default");
-	v = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull);
-	return isnull ? DT_NOBEGIN : DatumGetTimestampTz(v);
 }
 
 typedef struct CreateCall
@@ -135,31 +144,48 @@ static bool
 create_one(void *arg)
 {
 	CreateCall *c = arg;
-	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
-	Datum		values[3];
+	Oid			types[4] = {TEXTOID, INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[4];
+	int32		bucket;
+
+	/* a bucket no partition of this database has (the registry says which) */
+	for (;;)
+	{
+		Datum		b;
+
+		bucket = (int32) (pg_prng_uint32(&pg_global_prng_state) % IDEM_OUTBOX_BUCKETS) + 1;
+		b = Int32GetDatum(bucket);
+		types[0] = INT4OID;
+		if (SPI_execute_with_args("SELECT FROM idempotency.outbox_partitions WHERE bucket = $1",
+								  1, types, &b, NULL, true, 0) != SPI_OK_SELECT)
+			elog(ERROR, "could not read idempotency.outbox_partitions");
+		if (SPI_processed == 0)
+			break;
+	}
+	types[0] = TEXTOID;
 
 	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s (LIKE %s.outbox_events INCLUDING ALL)",
 								   c->name, IDEM_SCHEMA));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (txid)", c->name));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (aggregate_type, aggregate_id, seq)", c->name));
+	idem_exec_ddl_as_data(psprintf("CREATE INDEX ON %s (id)", c->name));
 	idem_exec_ddl_as_data(psprintf("ALTER TABLE %s.outbox_events ATTACH PARTITION %s"
-								   " FOR VALUES FROM (%s) TO (%s)",
-								   IDEM_SCHEMA, c->name,
-								   timestamp_literal(c->lower), timestamp_literal(c->upper)));
+								   " FOR VALUES IN (%d)", IDEM_SCHEMA, c->name, bucket));
 	values[0] = CStringGetTextDatum(c->name);
-	values[1] = TimestampTzGetDatum(c->lower);
-	values[2] = TimestampTzGetDatum(c->upper);
-	idem_spi_exec("INSERT INTO idempotency.outbox_partitions (relid, lower, upper)"
-				  " VALUES ($1::pg_catalog.regclass, $2, $3)",
-				  3, types, values, SPI_OK_INSERT);
+	values[1] = Int32GetDatum(bucket);
+	values[2] = TimestampTzGetDatum(c->lower);
+	values[3] = TimestampTzGetDatum(c->upper);
+	idem_spi_exec("INSERT INTO idempotency.outbox_partitions (relid, bucket, lower, upper)"
+				  " VALUES ($1::pg_catalog.regclass, $2, $3, $4)",
+				  4, types, values, SPI_OK_INSERT);
 	idem_report_action(c->r->rep, "create", c->name);
 	return true;
 }
 
 /*
  * Make sure partitions cover [start of the current interval, now + premake
- * intervals), following the newest one without a gap.  Never a range that
- * overlaps events the default partition took while maintenance lagged.
- * Not while CREATE EXTENSION runs: a restore brings its own partitions,
- * and until the first round the default partition takes every event.
+ * intervals), following the newest one without a gap (after a lag the new
+ * ones start at the current interval: the newest took the events between).
  */
 static void
 ensure_partitions(OutboxRound *r, OutboxPartition *parts, int n)
@@ -168,17 +194,12 @@ ensure_partitions(OutboxRound *r, OutboxPartition *parts, int n)
 	TimestampTz next = idem_next_boundary(r->now, iv);
 	TimestampTz cursor = next - iv * USECS_PER_SEC;
 	TimestampTz horizon = r->now + iv * r->s->premake * USECS_PER_SEC;
-	TimestampTz lagged;
 
-	if (creating_extension)
-		return;
 	if (cursor > r->now)
 		cursor -= iv * USECS_PER_SEC;
-	if (n > 0 && parts[n - 1].upper > cursor)
-		cursor = parts[n - 1].upper;
-	lagged = default_newest();
-	if (lagged != DT_NOBEGIN && lagged >= cursor)
-		cursor = idem_next_boundary(lagged, iv);
+	for (int i = 0; i < n; i++)
+		if (parts[i].upper > cursor)
+			cursor = parts[i].upper;
 
 	while (cursor < horizon)
 	{
@@ -189,6 +210,29 @@ ensure_partitions(OutboxRound *r, OutboxPartition *parts, int n)
 			break;
 		cursor = call.upper;
 	}
+}
+
+/*
+ * The newest event of a partition (DT_NOBEGIN if empty): its greatest id,
+ * which starts with created_at.
+ */
+static TimestampTz
+partition_newest(const char *name)
+{
+	TimestampTz newest = DT_NOBEGIN;
+
+	if (SPI_execute(psprintf("SELECT id FROM %s ORDER BY id DESC LIMIT 1", name),
+					true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read %s", name);
+	if (SPI_processed == 1)
+	{
+		bool		isnull;
+		Datum		id = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull);
+
+		if (!idem_outbox_id_time(DatumGetUUIDP(id), &newest, NULL))
+			newest = DT_NOEND;	/* not ours: keep it */
+	}
+	return newest;
 }
 
 static bool
@@ -233,6 +277,8 @@ drop_one(void *arg)
 	Oid			types[1] = {OIDOID};
 	Datum		values[1] = {ObjectIdGetDatum(c->p->relid)};
 
+	if (partition_newest(c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
+		return false;			/* took events while maintenance lagged */
 	if (partition_pinned(c->p->relid))
 	{
 		idem_report_action(c->r->rep, "keep (pinned)", c->name);
@@ -275,12 +321,80 @@ drop_expired(OutboxRound *r, OutboxPartition *parts, int n)
 void
 idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now)
 {
-	OutboxRound r = {rep, s, now, idem_internal_relid("outbox_events")};
+	OutboxRound r = {rep, s, now, InvalidOid};
 	OutboxPartition *parts;
 	int			n;
+
+	/* a database still on 1.0 (before ALTER EXTENSION UPDATE) has no outbox */
+	r.parent = get_relname_relid("outbox_events", idem_schema_oid());
+	if (!OidIsValid(r.parent))
+		return;
 
 	forget_missing(&r);
 	parts = read_partitions(&n);
 	ensure_partitions(&r, parts, n);
 	drop_expired(&r, parts, n);
+}
+
+/*---- the emitters' side ----*/
+
+static int
+newest_first(const void *a, const void *b)
+{
+	const OutboxPartition *pa = a;
+	const OutboxPartition *pb = b;
+
+	if (pa->lower != pb->lower)
+		return pa->lower > pb->lower ? -1 : 1;
+	return pa->relid > pb->relid ? -1 : (pa->relid < pb->relid ? 1 : 0);
+}
+
+/* Read the registry into the cache (the caller is connected to SPI). */
+static void
+load_cache(void)
+{
+	OutboxPartition *parts;
+	int			n;
+	MemoryContext old;
+
+	cached_registry = idem_internal_relid("outbox_partitions");
+	parts = read_partitions(&n);
+	qsort(parts, n, sizeof(OutboxPartition), newest_first);
+	old = MemoryContextSwitchTo(CacheMemoryContext);
+	if (cached_parts != NULL)
+		pfree(cached_parts);
+	cached_parts = palloc(sizeof(OutboxPartition) * Max(n, 1));
+	MemoryContextSwitchTo(old);
+	memcpy(cached_parts, parts, sizeof(OutboxPartition) * n);
+	cached_nparts = n;
+}
+
+/*
+ * The bucket an event created at "now" goes into: the partition whose range
+ * covers it (the newest such), else the newest that has begun, else the
+ * oldest.  The caller is connected to SPI.
+ */
+int32
+idem_outbox_target_bucket(TimestampTz now)
+{
+	OutboxPartition *begun = NULL;
+
+	AcceptInvalidationMessages();
+	if (cached_nparts < 0)
+		load_cache();
+	if (cached_nparts == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency.outbox_events has no partition"),
+				 errhint("Run SELECT idem_maintain() as the owner of the extension.")));
+	for (int i = 0; i < cached_nparts; i++)
+	{
+		OutboxPartition *p = &cached_parts[i];
+
+		if (p->lower <= now && now < p->upper)
+			return p->bucket;
+		if (begun == NULL && p->lower <= now)
+			begun = p;
+	}
+	return begun != NULL ? begun->bucket : cached_parts[cached_nparts - 1].bucket;
 }

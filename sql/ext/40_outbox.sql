@@ -1,17 +1,19 @@
 -- Transactional outbox: events that commit with the business write.
 --
 -- Events are insert-only rows in time partitions of idempotency.outbox_events
--- (declarative range partitions on created_at, so a publication with
--- publish_via_partition_root sees every partition, old and new).  Nothing
--- ever updates or deletes an event: the emit counter of an aggregate lives in
--- outbox_sequences, its delivery state in outbox_deliveries, both narrow
--- tables whose updates touch no indexed column (HOT).  See src/outbox.c.
+-- (declarative LIST partitions on "bucket", one random bucket per partition,
+-- so a publication with publish_via_partition_root sees every partition, old
+-- and new, and partitions restored from a dump never clash with those
+-- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
+-- emit counter of an aggregate lives in outbox_sequences, its delivery state
+-- in outbox_deliveries, both narrow tables whose updates touch no indexed
+-- column (HOT).  See src/outbox.c and src/outbox_store.c.
 --
 -- This file is new in 1.1: the upgrade script from 1.0 includes it whole
 -- (see the Makefile), so it must only create objects.
 
 CREATE TABLE idempotency.outbox_events (
-    id             uuid NOT NULL,            -- UUIDv7, carrying created_at
+    id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
     seq            bigint NOT NULL,          -- 1, 2, 3 ... per aggregate
@@ -19,30 +21,30 @@ CREATE TABLE idempotency.outbox_events (
     payload        jsonb NOT NULL,
     headers        jsonb NOT NULL,
     created_at     timestamptz NOT NULL,
-    txid           xid8 NOT NULL             -- the emitting transaction
-) PARTITION BY RANGE (created_at);
+    txid           xid8 NOT NULL,            -- the emitting transaction
+    bucket         integer NOT NULL          -- the partition it went into
+) PARTITION BY LIST (bucket);
 COMMENT ON TABLE idempotency.outbox_events IS
     'outbox events, insert-only, in time partitions (emit with idem_outbox_emit())';
--- the relay scans from its cursor by transaction; runs and acks look events up
-CREATE INDEX outbox_events_txid ON idempotency.outbox_events (txid);
-CREATE INDEX outbox_events_aggregate ON idempotency.outbox_events (aggregate_type, aggregate_id, seq);
-CREATE INDEX outbox_events_id ON idempotency.outbox_events (id);
 
--- Takes the events that no range partition covers: before the first
--- maintenance round, or while maintenance lags.  An extension member whose
--- rows pg_dump keeps as configuration data; retention never drops it.
-CREATE TABLE idempotency.outbox_events_default
-    PARTITION OF idempotency.outbox_events DEFAULT;
-SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_events_default', '');
-
--- The range partitions, as maintenance made them.
+-- The partitions, as maintenance made them: the time range of the events
+-- each takes (while maintenance lags, the newest also takes later ones).
+-- Every partition has indexes of its own, made with it (none is declared on
+-- the parent, whose indexes pg_restore could not attach dumped ones to).
 CREATE TABLE idempotency.outbox_partitions (
     relid  regclass    PRIMARY KEY,
+    bucket integer     NOT NULL UNIQUE,
     lower  timestamptz NOT NULL,
     upper  timestamptz NOT NULL,
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_partitions', '');
+
+-- Emitters cache the partition list; changes reach them like the claims'.
+CREATE TRIGGER outbox_partitions_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.outbox_partitions
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partitions_changed;
 
 -- Per aggregate: the seq of its newest event.  Emitters update it (and hold
 -- its row lock to commit: that is what makes seq gap-free and in commit
@@ -206,8 +208,7 @@ COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
 -- of an outbox partition: future, current, sealed (its range has passed;
 -- kept for the retention), pinned (past its retention, but it holds an
 -- undelivered or dead-lettered event), expired (dropped by the next round
--- that can lock it); the default partition, which takes events while no
--- range covers the time, shows as "default".
+-- that can lock it).
 CREATE OR REPLACE VIEW idempotency.partitions AS
 SELECT r.relid AS partition,
        r.lower,
@@ -240,13 +241,6 @@ SELECT o.relid, o.lower, o.upper,
        pg_catalog.pg_total_relation_size(o.relid),
        'outbox'
 FROM idempotency.outbox_partitions o
-CROSS JOIN idempotency.current_settings() s
-UNION ALL
-SELECT 'idempotency.outbox_events_default'::regclass, NULL, NULL,
-       CASE WHEN idempotency.outbox_partition_pinned('idempotency.outbox_events_default')
-            THEN 'pinned' ELSE 'default' END,
-       NULL, NULL, false,
-       pg_catalog.pg_total_relation_size('idempotency.outbox_events_default'),
-       'outbox';
+CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
     'time partitions of idempotency.claims and idempotency.outbox_events with range, state and size';
