@@ -161,8 +161,7 @@ new_db() {
     q "$db" >/dev/null <<'SQL'
 SET client_min_messages = warning;
 CREATE EXTENSION idempotency;
--- as production maintenance would: CREATE EXTENSION makes no outbox range
--- partition (until the first round, the default partition takes the events)
+-- a maintenance round, as production runs them
 SELECT count(*) FROM idem_maintain();
 CREATE TABLE bench_outbox (
     id             bigserial PRIMARY KEY,
