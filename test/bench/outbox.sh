@@ -19,7 +19,7 @@
 #             into bench_outbox (target >= 0.9x); also with
 #             idempotency.outbox_notify = off (the default, 'commit', sends a
 #             NOTIFY at each emitting commit, which the baseline does not)
-#   b drain   IDEM_OUTBOX_EVENTS events (10 per transaction, aggregate =
+#   b drain   IDEM_OUTBOX_EVENTS events (50 per transaction, aggregate =
 #             event number mod IDEM_OUTBOX_AGGREGATES) are loaded into both
 #             sides, then IDEM_OUTBOX_RELAYS parallel relays drain them:
 #             candidate "claim 100" (SELECT array_agg(id), min(lease_token)
@@ -95,6 +95,7 @@ IDLE=${IDEM_OUTBOX_IDLE_MS:-10}
 TICKER=${IDEM_OUTBOX_PGQ_TICKER:-consumer}
 WAL_EV=${IDEM_OUTBOX_WAL_EVENTS:-20000}
 DRAIN_MAX=${IDEM_OUTBOX_DRAIN_MAX_SECONDS:-15}
+LOAD_TXN=50     # events per transaction when (b) loads its events
 BASE_ONLY=${IDEM_OUTBOX_BASELINE_ONLY:-}
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/obbench.XXXXXX")
@@ -241,17 +242,17 @@ drain_all_plain() {
     die "$db: $(backlog_plain "$db") rows still in bench_outbox after 50 drains"
 }
 
-# load_plain / load_idem DB N: N events, 10 per transaction, event i to
+# load_plain / load_idem DB N: N events, LOAD_TXN per transaction, event i to
 # aggregate i mod AGGS (every aggregate gets N / AGGS events, spread over the load)
 load_plain() {
     q "$1" >/dev/null <<SQL
 SET synchronous_commit = off;
 DO \$\$
 BEGIN
-    FOR b IN 0 .. $2 / 10 - 1 LOOP
+    FOR b IN 0 .. $2 / $LOAD_TXN - 1 LOOP
         INSERT INTO bench_outbox (aggregate_type, aggregate_id, type, payload)
-        SELECT 'order', ((b * 10 + g) % $AGGS + 1)::text, 'created', '{"n":1}'
-        FROM generate_series(0, 9) g;
+        SELECT 'order', ((b * $LOAD_TXN + g) % $AGGS + 1)::text, 'created', '{"n":1}'
+        FROM generate_series(0, $LOAD_TXN - 1) g;
         COMMIT;
     END LOOP;
 END
@@ -263,10 +264,10 @@ load_idem() {
 SET synchronous_commit = off;
 DO \$\$
 BEGIN
-    FOR b IN 0 .. $2 / 10 - 1 LOOP
+    FOR b IN 0 .. $2 / $LOAD_TXN - 1 LOOP
         PERFORM idem_outbox_emit_many('order',
-            ARRAY(SELECT ((b * 10 + g) % $AGGS + 1)::text FROM generate_series(0, 9) g),
-            array_fill('created'::text, ARRAY[10]), array_fill('{"n":1}'::jsonb, ARRAY[10]));
+            ARRAY(SELECT ((b * $LOAD_TXN + g) % $AGGS + 1)::text FROM generate_series(0, $LOAD_TXN - 1) g),
+            array_fill('created'::text, ARRAY[$LOAD_TXN]), array_fill('{"n":1}'::jsonb, ARRAY[$LOAD_TXN]));
         COMMIT;
     END LOOP;
 END
@@ -279,7 +280,7 @@ lsn_diff() { q postgres -c "SELECT pg_wal_lsn_diff('$2', '$1')"; }
 
 # ------------------------------------------------------------------ checks
 
-[[ $BATCH -gt 0 && $AGGS -gt 0 && $NEV -ge 10 ]] || die "bad IDEM_OUTBOX_BATCH / _AGGREGATES / _EVENTS"
+[[ $BATCH -gt 0 && $AGGS -gt 0 && $NEV -ge $LOAD_TXN ]] || die "bad IDEM_OUTBOX_BATCH / _AGGREGATES / _EVENTS"
 case $TICKER in consumer|pgqd) ;; *) die "IDEM_OUTBOX_PGQ_TICKER must be consumer or pgqd" ;; esac
 if [[ " $PARTS " == *" e2e "* ]]; then
     [[ $(q postgres -c "SELECT count(*) FROM pg_available_extensions WHERE name = 'pgq'") == 1 ]] ||
