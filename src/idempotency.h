@@ -24,6 +24,7 @@
 #include "datatype/timestamp.h"
 #include "utils/elog.h"
 #include "utils/relcache.h"
+#include "access/transam.h"
 #include "utils/snapshot.h"
 #include "utils/uuid.h"
 
@@ -186,7 +187,8 @@ extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 #define IDEM_OUTBOX_BUCKETS		((1 << 24) - 1)
 
 extern void idem_outbox_init(void);
-extern bool idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket);
+extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
+								 FullTransactionId *txid);
 extern void idem_outbox_store_init(void);
 extern int32 idem_outbox_target_bucket(TimestampTz now);
 extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);

@@ -66,6 +66,7 @@
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "replication/message.h"
+#include "storage/itemptr.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
@@ -103,6 +104,9 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 
 /* rows a claim reads from its cursor at a time */
 #define OUTBOX_SCAN_CHUNK		256
+
+/* aggregates a claim locks at first, before it knows how long runs are */
+#define OUTBOX_LEASE_GROUP		8
 
 /* how often a relay writes its cursor back */
 #define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
@@ -188,22 +192,54 @@ idem_outbox_init(void)
 
 /*---- statements ----*/
 
-/* the columns of a locked deliveries row, as read_delivery() expects them */
+/*
+ * Locked deliveries rows, as read_deliveries() expects them: FROM one of
+ * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
+ * (an index probe per key, in key order, whatever the statistics say), and
+ * bring the newest seq of each aggregate along.
+ */
 #define DELIVERY_COLUMNS \
-	"d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
+	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
 	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error," \
-	" coalesce(s.last_seq, 0)"
+	" coalesce(s.last_seq, 0), d.row_ctid"
 #define DELIVERY_JOIN_SEQUENCES \
-	" LEFT JOIN idempotency.outbox_sequences s" \
-	"   ON s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id"
-#define DELIVERY_JOIN_KEYS \
-	" JOIN unnest($1::text[], $2::text[]) AS k(t, i)" \
-	"   ON d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\""
+	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
+	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id) s ON true"
+/* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
+#define DELIVERIES_BY_KEYS(cond, lock) \
+	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
+	"       ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\") k" \
+	" CROSS JOIN LATERAL (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
+	"   " lock ") d" DELIVERY_JOIN_SEQUENCES
+/* the rows that meet cond, in retry_at order, at most $2, skipping locked ones */
+#define DELIVERIES_PARKED(cond) \
+	" FROM (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE " cond \
+	"     AND (d.lease_until IS NULL OR d.lease_until <= $1)" \
+	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
+	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
+/*
+ * An aggregate's deliveries row is made by the emit that starts it (seq 1),
+ * in the emitter's transaction: relays never insert rows that another relay
+ * could be inserting too (they would wait on each other's transactions).
+ */
+#define NEW_DELIVERY_ROW(select) \
+	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
+	" ON CONFLICT DO NOTHING"
+
+#define NEXT_SEQ \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1" \
+	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
+	" RETURNING last_seq"
+
 #define EVENT_COLUMNS \
 	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
 
 typedef enum
 {
+	ST_EMIT_NEXT,
+	ST_EMIT_NEXT_SEQ,
 	ST_EMIT,
 	ST_EMIT_SEQ,
 	ST_RESERVE,
@@ -235,51 +271,74 @@ typedef struct OutboxPlan
 } OutboxPlan;
 
 static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
+	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
+	[ST_EMIT_NEXT] = {
+		"WITH s AS (" NEXT_SEQ ")"
+		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
+		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
+		" RETURNING seq",
+		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
+	},
+	[ST_EMIT_NEXT_SEQ] = {
+		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
+	},
+	/* otherwise (none updated): make the counter, or take it over from a racer */
 	[ST_EMIT] = {
 		"WITH s AS ("
 		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
 		" VALUES ($1, $2, 1)"
 		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
-		" RETURNING q.last_seq)"
+		" RETURNING q.last_seq), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
 		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
 		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
 		" RETURNING seq",
 		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
 	},
 	[ST_EMIT_SEQ] = {
-		"INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
 		" VALUES ($1, $2, 1)"
 		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
-		" RETURNING q.last_seq",
+		" RETURNING q.last_seq), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
+		" SELECT last_seq FROM s",
 		2, {TEXTOID, TEXTOID}
 	},
 	/* counts per aggregate, in the (sorted) order given: that is lock order */
 	[ST_RESERVE] = {
-		"INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
 		" SELECT $1, u.id, u.n"
 		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
 		" ORDER BY u.ord"
 		" ON CONFLICT (aggregate_type, aggregate_id)"
 		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq"
-		" RETURNING q.aggregate_id, q.last_seq",
+		" RETURNING q.aggregate_id, q.last_seq), "
+		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
+								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
+								   " ORDER BY 2") ")"
+		" SELECT aggregate_id, last_seq FROM s",
 		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
 	[ST_INSERT_MANY] = {
 		"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, $7, $8, $10"
-		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[])"
-		"   AS u(id, aid, seq, et, p, h)",
+		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, u.at, $8, $10"
+		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[],"
+		"             $7::timestamptz[])"
+		"   AS u(id, aid, seq, et, p, h, at)",
 		10, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
-			TIMESTAMPTZOID, XID8OID, JSONBARRAYOID, INT4OID}
+			TIMESTAMPTZARRAYOID, XID8OID, JSONBARRAYOID, INT4OID}
 	},
 	[ST_CURSOR_READ] = {
-		"SELECT position FROM idempotency.outbox_cursor", 0, {0}
+		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
 	},
 	[ST_CURSOR_WRITE] = {
-		"UPDATE idempotency.outbox_cursor SET position = $1"
+		"UPDATE idempotency.outbox_cursor SET position = $1, event_id = $2"
 		" WHERE ctid IN (SELECT ctid FROM idempotency.outbox_cursor"
-		"                WHERE position < $1 FOR UPDATE SKIP LOCKED)",
-		1, {XID8OID}
+		"                WHERE (position, event_id) < ($1, $2) FOR UPDATE SKIP LOCKED)",
+		2, {XID8OID, UUIDOID}
 	},
 	[ST_SCAN] = {
 		"SELECT e.txid, e.aggregate_type, e.aggregate_id, e.seq, e.id, e.event_type,"
@@ -287,9 +346,9 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" FROM idempotency.outbox_events e"
 		" LEFT JOIN idempotency.outbox_deliveries d"
 		"   ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
-		" WHERE e.txid >= $1"
-		" ORDER BY e.txid",
-		1, {XID8OID}
+		" WHERE (e.txid, e.id) >= ($1, $2)"
+		" ORDER BY e.txid, e.id",
+		2, {XID8OID, UUIDOID}
 	},
 	[ST_ENSURE_DELIVERIES] = {
 		"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)"
@@ -299,31 +358,17 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		2, {TEXTARRAYOID, TEXTARRAYOID}
 	},
 	[ST_LOCK_CANDIDATES] = {
-		"SELECT " DELIVERY_COLUMNS
-		" FROM idempotency.outbox_deliveries d" DELIVERY_JOIN_KEYS DELIVERY_JOIN_SEQUENCES
-		" WHERE d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)"
-		" ORDER BY d.aggregate_type, d.aggregate_id"
-		" FOR UPDATE OF d SKIP LOCKED",
+		DELIVERY_COLUMNS
+		DELIVERIES_BY_KEYS(" AND d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)",
+						   "FOR UPDATE SKIP LOCKED"),
 		3, {TEXTARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID}
 	},
 	[ST_PARKED_DUE] = {
-		"SELECT " DELIVERY_COLUMNS
-		" FROM idempotency.outbox_deliveries d" DELIVERY_JOIN_SEQUENCES
-		" WHERE d.retry_at <= $1 AND (d.lease_until IS NULL OR d.lease_until <= $1)"
-		"   AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))"
-		" ORDER BY d.retry_at"
-		" LIMIT $2"
-		" FOR UPDATE OF d SKIP LOCKED",
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at <= $1"),
 		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
 	},
 	[ST_PARKED_DEAD] = {
-		"SELECT " DELIVERY_COLUMNS
-		" FROM idempotency.outbox_deliveries d" DELIVERY_JOIN_SEQUENCES
-		" WHERE d.retry_at = 'infinity' AND d.dead_seq IS NOT NULL"
-		"   AND (d.lease_until IS NULL OR d.lease_until <= $1)"
-		"   AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))"
-		" LIMIT $2"
-		" FOR UPDATE OF d SKIP LOCKED",
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at = 'infinity' AND d.dead_seq IS NOT NULL"),
 		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
 	},
 	[ST_RUN] = {
@@ -332,17 +377,18 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" ORDER BY seq LIMIT $4",
 		4, {TEXTOID, TEXTOID, INT8OID, INT4OID}
 	},
+	/* rows this transaction holds locked: found by ctid */
 	[ST_SET_STATE] = {
 		"UPDATE idempotency.outbox_deliveries d"
 		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
 		"     lease_until = u.until, attempts = u.attempts, retry_at = u.retry,"
 		"     dead_seq = u.dead, last_error = u.err"
-		" FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::uuid[],"
-		"                        $6::timestamptz[], $7::int4[], $8::timestamptz[], $9::int8[], $10::text[])"
-		"   AS u(t, i, acked, leased, token, until, attempts, retry, dead, err)"
-		" WHERE d.aggregate_type = u.t COLLATE \"C\" AND d.aggregate_id = u.i COLLATE \"C\"",
-		10, {TEXTARRAYOID, TEXTARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID,
-			TIMESTAMPTZARRAYOID, INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
+		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
+		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[])"
+		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err)"
+		" WHERE d.ctid = u.row_ctid",
+		9, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
+			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
 	},
 	/* FOR SHARE: wait for an emit in flight, and see its seq */
 	[ST_UNPARK] = {
@@ -365,17 +411,17 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" ON CONFLICT (id) DO NOTHING",
 		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
 	},
-	/* the ids carry their bucket: one partition at a time */
+	/* the ids say their partition and transaction: one (txid, id) probe each */
 	[ST_FIND_EVENTS] = {
-		"SELECT e.aggregate_type, e.aggregate_id, e.seq FROM idempotency.outbox_events e"
-		" WHERE e.bucket = $2 AND e.id = ANY ($1)",
-		2, {UUIDARRAYOID, INT4OID}
+		"SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		" FROM unnest($1::xid8[], $2::uuid[]) AS k(t, i)"
+		" CROSS JOIN LATERAL (SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		"   FROM idempotency.outbox_events e"
+		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i) e",
+		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
 	},
 	[ST_LOCK_DELIVERIES] = {
-		"SELECT " DELIVERY_COLUMNS
-		" FROM idempotency.outbox_deliveries d" DELIVERY_JOIN_KEYS DELIVERY_JOIN_SEQUENCES
-		" ORDER BY d.aggregate_type, d.aggregate_id"
-		" FOR UPDATE OF d",
+		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("", "FOR UPDATE"),
 		2, {TEXTARRAYOID, TEXTARRAYOID}
 	},
 	/* no index on lease_token (it would make every claim a non-HOT update) */
@@ -441,43 +487,46 @@ spi_col(uint64 row, int col, bool *isnull)
 /*---- ids and tokens ----*/
 
 /*
- * A UUIDv7 (RFC 9562) for an event created at "ts" in partition "bucket":
- * 48 bits of Unix milliseconds, the microseconds within that millisecond in
- * the 12 bits of rand_a (its "increased clock precision" use), then, after
- * the variant, 6 random bits, a 16-bit counter of this backend, 16 random
- * bits and the 24-bit bucket.  So the id gives back created_at exactly and
- * the partition it is in, ids sort by time, and a backend's ids never repeat
- * within a microsecond.
+ * An event's id: a UUIDv7 (RFC 9562) that says where the event is.  48 bits
+ * of Unix milliseconds, the microseconds within that millisecond in the 12
+ * bits of rand_a (its "increased clock precision" use); after the variant,
+ * 62 bits: the partition's 24-bit bucket, the low 32 bits of the emitting
+ * transaction id and 6 random bits.  So an ack finds an event with one
+ * probe of one partition's (txid, id) index, ids sort by time, and ids are
+ * unique: a transaction's events are emitted by one backend, whose
+ * timestamps never repeat (see event_time()).
  */
 static void
-outbox_event_id(TimestampTz ts, int32 bucket, pg_uuid_t *id)
+outbox_event_id(TimestampTz ts, int32 bucket, FullTransactionId txid, pg_uuid_t *id)
 {
-	static uint16 counter = 0;
 	int64		unix_us = ts + (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
 	uint64		ms = (uint64) (unix_us / 1000);
 	uint32		sub = (uint32) (unix_us % 1000);
-	uint32		rnd = pg_prng_uint32(&pg_global_prng_state);
+	uint64		low = ((uint64) (bucket & 0xFFFFFF) << 38)
+		| ((uint64) XidFromFullTransactionId(txid) << 6)
+		| (pg_prng_uint32(&pg_global_prng_state) & 0x3F);
 
 	for (int i = 0; i < 6; i++)
 		id->data[i] = (uint8) (ms >> (8 * (5 - i)));
 	id->data[6] = (uint8) (0x70 | ((sub >> 8) & 0x0F));
 	id->data[7] = (uint8) (sub & 0xFF);
-	id->data[8] = (uint8) (0x80 | (rnd & 0x3F));
-	counter++;
-	id->data[9] = (uint8) (counter >> 8);
-	id->data[10] = (uint8) counter;
-	id->data[11] = (uint8) (rnd >> 8);
-	id->data[12] = (uint8) (rnd >> 16);
-	id->data[13] = (uint8) (bucket >> 16);
-	id->data[14] = (uint8) (bucket >> 8);
-	id->data[15] = (uint8) bucket;
+	id->data[8] = (uint8) (0x80 | ((low >> 56) & 0x3F));
+	for (int i = 9; i < 16; i++)
+		id->data[i] = (uint8) (low >> (8 * (15 - i)));
 }
 
-/* created_at and bucket of an event id; false if it is not one of ours */
+/*
+ * What an event id says: created_at, the bucket and the emitting
+ * transaction (its epoch taken as the latest that makes it not newer than
+ * the next transaction id; events live far less than 2^31 transactions).
+ * False if it is not an event id.
+ */
 bool
-idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket)
+idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
+					 FullTransactionId *txid)
 {
 	uint64		ms = 0;
+	uint64		low = 0;
 	uint32		sub;
 
 	if ((id->data[6] & 0xF0) != 0x70 || (id->data[8] & 0xC0) != 0x80)
@@ -487,11 +536,47 @@ idem_outbox_id_time(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket)
 	sub = ((uint32) (id->data[6] & 0x0F) << 8) | id->data[7];
 	if (sub >= 1000)
 		return false;
-	*ts = (TimestampTz) (ms * 1000 + sub)
-		- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	if (ts != NULL)
+		*ts = (TimestampTz) (ms * 1000 + sub)
+			- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	low = id->data[8] & 0x3F;
+	for (int i = 9; i < 16; i++)
+		low = (low << 8) | id->data[i];
 	if (bucket != NULL)
-		*bucket = ((int32) id->data[13] << 16) | ((int32) id->data[14] << 8) | id->data[15];
+		*bucket = (int32) (low >> 38);
+	if (txid != NULL)
+	{
+		TransactionId xid = (TransactionId) ((low >> 6) & 0xFFFFFFFF);
+		FullTransactionId next = ReadNextFullTransactionId();
+		uint32		epoch = EpochFromFullTransactionId(next);
+
+		if (xid >= XidFromFullTransactionId(next) && epoch > 0)
+			epoch--;
+		*txid = FullTransactionIdFromEpochAndXid(epoch, xid);
+	}
 	return true;
+}
+
+/*
+ * The time of an event emitted now by transaction txid: the extension's
+ * clock, but within one transaction never the same microsecond twice (so
+ * its ids are unique: see outbox_event_id()) and never back.
+ */
+static TimestampTz
+event_time(FullTransactionId txid)
+{
+	static FullTransactionId last_txid = {0};
+	static TimestampTz last = 0;
+	TimestampTz now = idem_now();
+
+	if (!FullTransactionIdEquals(txid, last_txid))
+	{
+		last_txid = txid;
+		last = now;
+		return now;
+	}
+	last = now > last ? now : last + 1;
+	return last;
 }
 
 /* a random (version 4) lease token */
@@ -742,6 +827,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	Datum		values[9];
 	uint64		n;
 	int32		bucket;
+	FullTransactionId txid;
 
 	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
 	ev.aggregate_id = name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
@@ -750,15 +836,20 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		null_argument("payload");
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
-	ev.created_at = idem_now();
+	txid = emitting_transaction();
+	ev.created_at = event_time(txid);
 
 	SPI_connect();
 	bucket = idem_outbox_target_bucket(ev.created_at);
-	outbox_event_id(ev.created_at, bucket, &ev.id);
+	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	if (outbox_mode == MODE_WAL)
-		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_INSERT_RETURNING);
+	{
+		n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+	}
 	else
 	{
 		values[2] = UUIDPGetDatum(&ev.id);
@@ -766,9 +857,11 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		values[4] = JsonbPGetDatum(ev.payload);
 		values[5] = JsonbPGetDatum(ev.headers);
 		values[6] = TimestampTzGetDatum(ev.created_at);
-		values[7] = FullTransactionIdGetDatum(emitting_transaction());
+		values[7] = FullTransactionIdGetDatum(txid);
 		values[8] = Int32GetDatum(bucket);
-		n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
+		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_INSERT_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
 	}
 	if (n != 1)
 		elog(ERROR, "outbox emit wrote " UINT64_FORMAT " rows", n);
@@ -824,7 +917,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	int64	   *next_seq;
 	OutboxEvent *evs;
 	Jsonb	   *none = empty_headers();
-	TimestampTz now = idem_now();
+	FullTransactionId txid = emitting_transaction();
+	TimestampTz now = event_time(txid);
 	int32		bucket;
 
 	InitMaterializedSRF(fcinfo, 0);
@@ -838,8 +932,10 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	if (n == 0)
 		return (Datum) 0;
 
+	/* the events outlive SPI_finish(): made here, not in SPI's memory */
 	SPI_connect();
 	bucket = idem_outbox_target_bucket(now);
+	SPI_finish();
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);
 	for (int i = 0; i < n; i++)
@@ -850,8 +946,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 									   OUTBOX_MAX_EVENT_TYPE_BYTES);
 		evs[i].payload = DatumGetJsonbP(payloads[i]);
 		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
-		evs[i].created_at = now;
-		outbox_event_id(now, bucket, &evs[i].id);
+		evs[i].created_at = i == 0 ? now : event_time(txid);
+		outbox_event_id(evs[i].created_at, bucket, txid, &evs[i].id);
 		names[i] = (char *) evs[i].aggregate_id;
 	}
 
@@ -870,6 +966,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	}
 
 	next_seq = palloc(sizeof(int64) * nagg);
+	SPI_connect();
 	{
 		Datum		values[3];
 		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
@@ -880,7 +977,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[0] = CStringGetTextDatum(aggregate_type);
 		values[1] = build_array(name_datums, NULL, nagg, TEXTOID);
 		values[2] = build_array(counts, NULL, nagg, INT8OID);
-		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_INSERT_RETURNING);
+		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
 		if (got != (uint64) nagg)
 			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);
 		for (uint64 r = 0; r < got; r++)
@@ -902,9 +999,11 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		Datum	   *ev_ids = palloc(sizeof(Datum) * n);
 		Datum	   *ev_seqs = palloc(sizeof(Datum) * n);
 		Datum	   *ev_headers = palloc(sizeof(Datum) * n);
+		Datum	   *ev_times = palloc(sizeof(Datum) * n);
 
 		for (int i = 0; i < n; i++)
 		{
+			ev_times[i] = TimestampTzGetDatum(evs[i].created_at);
 			ev_ids[i] = UUIDPGetDatum(&evs[i].id);
 			ev_seqs[i] = Int64GetDatum(evs[i].seq);
 			ev_headers[i] = JsonbPGetDatum(evs[i].headers);
@@ -915,8 +1014,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[3] = build_array(ev_seqs, NULL, n, INT8OID);
 		values[4] = build_array(types, NULL, n, TEXTOID);
 		values[5] = build_array(payloads, NULL, n, JSONBOID);
-		values[6] = TimestampTzGetDatum(now);
-		values[7] = FullTransactionIdGetDatum(emitting_transaction());
+		values[6] = build_array(ev_times, NULL, n, TIMESTAMPTZOID);
+		values[7] = FullTransactionIdGetDatum(txid);
 		values[8] = build_array(ev_headers, NULL, n, JSONBOID);
 		values[9] = Int32GetDatum(bucket);
 		(void) outbox_exec(ST_INSERT_MANY, values, NULL, SPI_OK_INSERT);
@@ -954,6 +1053,7 @@ typedef struct Delivery
 	int64		dead_seq;
 	char	   *error;			/* last_error, or NULL */
 	int64		last_seq;		/* newest seq, as the locking statement saw it */
+	ItemPointerData ctid;		/* of the locked row version */
 	bool		changed;
 	bool		unpark;			/* try to unpark after writing */
 } Delivery;
@@ -999,6 +1099,7 @@ read_deliveries(uint64 n)
 		v = spi_col(r, 10, &isnull);
 		d->error = isnull ? NULL : TextDatumGetCString(v);
 		d->last_seq = DatumGetInt64(spi_col(r, 11, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(spi_col(r, 12, &isnull)), &d->ctid);
 	}
 	return ds;
 }
@@ -1014,14 +1115,14 @@ end_lease(Delivery *d)
 static void
 write_deliveries(Delivery *ds, int n)
 {
-	static const Oid elemtypes[10] = {TEXTOID, TEXTOID, INT8OID, INT8OID, UUIDOID,
-	TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
-	Datum	   *v[10];
-	bool	   *isnull[10];
-	Datum		values[10];
+	static const Oid elemtypes[9] = {TIDOID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID,
+	INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
+	Datum	   *v[9];
+	bool	   *isnull[9];
+	Datum		values[9];
 	int			m = 0;
 
-	for (int c = 0; c < 10; c++)
+	for (int c = 0; c < 9; c++)
 	{
 		v[c] = palloc(sizeof(Datum) * Max(n, 1));
 		isnull[c] = palloc0(sizeof(bool) * Max(n, 1));
@@ -1032,25 +1133,24 @@ write_deliveries(Delivery *ds, int n)
 
 		if (!d->changed)
 			continue;
-		v[0][m] = CStringGetTextDatum(d->aggregate_type);
-		v[1][m] = CStringGetTextDatum(d->aggregate_id);
-		v[2][m] = Int64GetDatum(d->acked);
-		v[3][m] = Int64GetDatum(d->leased_seq);
-		v[4][m] = UUIDPGetDatum(&d->token);
-		v[5][m] = TimestampTzGetDatum(d->until);
-		isnull[3][m] = isnull[4][m] = isnull[5][m] = !d->leased;
-		v[6][m] = Int32GetDatum(d->attempts);
-		v[7][m] = TimestampTzGetDatum(d->retry_at);
-		isnull[7][m] = !d->parked;
-		v[8][m] = Int64GetDatum(d->dead_seq);
-		isnull[8][m] = !d->dead;
-		v[9][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
-		isnull[9][m] = d->error == NULL;
+		v[0][m] = PointerGetDatum(&d->ctid);
+		v[1][m] = Int64GetDatum(d->acked);
+		v[2][m] = Int64GetDatum(d->leased_seq);
+		v[3][m] = UUIDPGetDatum(&d->token);
+		v[4][m] = TimestampTzGetDatum(d->until);
+		isnull[2][m] = isnull[3][m] = isnull[4][m] = !d->leased;
+		v[5][m] = Int32GetDatum(d->attempts);
+		v[6][m] = TimestampTzGetDatum(d->retry_at);
+		isnull[6][m] = !d->parked;
+		v[7][m] = Int64GetDatum(d->dead_seq);
+		isnull[7][m] = !d->dead;
+		v[8][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
+		isnull[8][m] = d->error == NULL;
 		m++;
 	}
 	if (m > 0)
 	{
-		for (int c = 0; c < 10; c++)
+		for (int c = 0; c < 9; c++)
 			values[c] = build_array(v[c], isnull[c], m, elemtypes[c]);
 		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
 	}
@@ -1083,7 +1183,10 @@ key_arrays(char **types, char **ids, int n, Datum *values)
 	values[1] = build_array(i, NULL, n, TEXTOID);
 }
 
-/* Make sure these aggregates have deliveries rows. */
+/*
+ * Make sure these aggregates have deliveries rows.  Emits make them; this
+ * covers rows deleted by hand, and administrative acks and nacks.
+ */
 static void
 ensure_deliveries(char **types, char **ids, int n)
 {
@@ -1110,6 +1213,12 @@ lock_deliveries(char **types, char **ids, int n, int *nlocked)
 }
 
 static bool
+lease_is(const Delivery *d, const pg_uuid_t *token)
+{
+	return memcmp(&d->token, token, sizeof(pg_uuid_t)) == 0;
+}
+
+static bool
 lease_live(const Delivery *d, TimestampTz now)
 {
 	return d->leased && d->until > now;
@@ -1118,7 +1227,7 @@ lease_live(const Delivery *d, TimestampTz now)
 static bool
 lease_held(const Delivery *d, const pg_uuid_t *token, TimestampTz now)
 {
-	return lease_live(d, now) && memcmp(&d->token, token, sizeof(pg_uuid_t)) == 0;
+	return lease_live(d, now) && lease_is(d, token);
 }
 
 /* Copy the event at seq of d's aggregate into the dead letters. */
@@ -1305,6 +1414,17 @@ take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
 		/* the scan has not reached the head: ask the index */
 		if (first == nevs || evs[first].seq != d->acked + 1)
 			evs = NULL;
+		else
+		{
+			int64		next = d->acked + 1;
+
+			for (int i = first; i < nevs && evs[i].seq <= next; i++)
+				if (evs[i].seq == next)
+					next++;
+			/* it saw part of the run: read the rest from the index, if it fits */
+			if (next <= d->last_seq && c->taken + (next - d->acked - 1) < c->batch)
+				evs = NULL;
+		}
 	}
 	if (evs == NULL)
 	{
@@ -1379,21 +1499,40 @@ claim_parked(Claim *c, OutboxStatement st)
 
 /*---- the cursor ----*/
 
+/*
+ * A position in the scan order of events: the emitting transaction, then
+ * the event id (a transaction's events are final together, so a cursor may
+ * stop inside one).
+ */
+typedef struct OutboxPos
+{
+	FullTransactionId txid;
+	pg_uuid_t	id;
+} OutboxPos;
+
+static int
+pos_cmp(const OutboxPos *a, const OutboxPos *b)
+{
+	if (FullTransactionIdPrecedes(a->txid, b->txid))
+		return -1;
+	if (FullTransactionIdFollows(a->txid, b->txid))
+		return 1;
+	return memcmp(a->id.data, b->id.data, UUID_LEN);
+}
+
+static OutboxPos
+pos_at(FullTransactionId txid)
+{
+	OutboxPos	p;
+
+	p.txid = txid;
+	memset(p.id.data, 0, UUID_LEN);
+	return p;
+}
+
 /* this backend's cursor, and when it last wrote it back */
-static FullTransactionId local_cursor = {0};
+static OutboxPos local_cursor = {{0}, {{0}}};
 static TimestampTz cursor_written = 0;
-
-static FullTransactionId
-full_xid_max(FullTransactionId a, FullTransactionId b)
-{
-	return FullTransactionIdFollows(a, b) ? a : b;
-}
-
-static FullTransactionId
-full_xid_min(FullTransactionId a, FullTransactionId b)
-{
-	return FullTransactionIdPrecedes(a, b) ? a : b;
-}
 
 /*
  * The oldest transaction that may still commit an event, as the scan will
@@ -1402,7 +1541,7 @@ full_xid_min(FullTransactionId a, FullTransactionId b)
  * the scan uses.  Every event from below it is final and visible to the
  * scan.
  */
-static FullTransactionId
+static OutboxPos
 event_horizon(void)
 {
 	Snapshot	snap = IsolationUsesXactSnapshot() ? GetTransactionSnapshot()
@@ -1413,13 +1552,14 @@ event_horizon(void)
 
 	if (xmin > XidFromFullTransactionId(next))
 		epoch--;
-	return FullTransactionIdFromEpochAndXid(epoch, xmin);
+	return pos_at(FullTransactionIdFromEpochAndXid(epoch, xmin));
 }
 
-static FullTransactionId
+static OutboxPos
 read_cursor(void)
 {
-	FullTransactionId stored = {0};
+	OutboxPos	stored = pos_at(FullTransactionIdFromU64(0));
+	OutboxPos	next = pos_at(ReadNextFullTransactionId());
 	bool		isnull;
 
 	if (outbox_exec(ST_CURSOR_READ, NULL, NULL, SPI_OK_SELECT) == 1)
@@ -1427,25 +1567,33 @@ read_cursor(void)
 		Datum		v = spi_col(0, 1, &isnull);
 
 		if (!isnull)
-			stored = DatumGetFullTransactionId(v);
+		{
+			stored.txid = DatumGetFullTransactionId(v);
+			v = spi_col(0, 2, &isnull);
+			if (!isnull)
+				memcpy(&stored.id, DatumGetUUIDP(v), sizeof(pg_uuid_t));
+		}
 	}
 	/* from another cluster (a restore): worthless, scan everything */
-	if (FullTransactionIdFollows(stored, ReadNextFullTransactionId()))
-		stored = FullTransactionIdFromU64(0);
-	if (FullTransactionIdFollows(local_cursor, ReadNextFullTransactionId()))
-		local_cursor = FullTransactionIdFromU64(0);
-	return full_xid_max(local_cursor, stored);
+	if (pos_cmp(&stored, &next) > 0)
+		stored = pos_at(FullTransactionIdFromU64(0));
+	if (pos_cmp(&local_cursor, &next) > 0)
+		local_cursor = pos_at(FullTransactionIdFromU64(0));
+	return pos_cmp(&local_cursor, &stored) > 0 ? local_cursor : stored;
 }
 
 static void
-write_cursor(FullTransactionId pos, TimestampTz now)
+write_cursor(OutboxPos pos, TimestampTz now)
 {
-	Datum		value = FullTransactionIdGetDatum(pos);
+	Datum		values[2];
 
-	local_cursor = full_xid_max(local_cursor, pos);
+	if (pos_cmp(&pos, &local_cursor) > 0)
+		local_cursor = pos;
 	if (now - cursor_written < OUTBOX_CURSOR_WRITE_USECS && now >= cursor_written)
 		return;
-	(void) outbox_exec(ST_CURSOR_WRITE, &value, NULL, SPI_OK_UPDATE);
+	values[0] = FullTransactionIdGetDatum(local_cursor.txid);
+	values[1] = UUIDPGetDatum(&local_cursor.id);
+	(void) outbox_exec(ST_CURSOR_WRITE, values, NULL, SPI_OK_UPDATE);
 	cursor_written = now;
 }
 
@@ -1551,7 +1699,12 @@ candidate_add_event(Candidate *cand, HeapTuple tup, TupleDesc desc, int64 seq)
 	cand->nevents++;
 }
 
-/* Try to lease the candidates not tried yet; hand out their runs. */
+/*
+ * Lease candidates not tried yet, in the order the scan met them, a group
+ * at a time, until the batch is full.  A group is sized by the runs taken
+ * so far, so that few rows are locked beyond those that get leased (a
+ * locked row stays locked to the other relays until we commit).
+ */
 static void
 lease_candidates(Claim *c, CandidateSet *cs)
 {
@@ -1559,62 +1712,79 @@ lease_candidates(Claim *c, CandidateSet *cs)
 	char	  **ids = palloc(sizeof(char *) * Max(cs->nlist, 1));
 	char	  **new_types = palloc(sizeof(char *) * Max(cs->nlist, 1));
 	char	  **new_ids = palloc(sizeof(char *) * Max(cs->nlist, 1));
-	int			n = 0;
-	int			nnew = 0;
-	Datum		values[3];
-	Delivery   *ds;
-	int			nlocked;
+	int			next = 0;
+	int			leased = 0;
+	int			taken_before = c->taken;
 
-	for (int i = 0; i < cs->nlist; i++)
+	while (c->taken < c->batch && next < cs->nlist)
 	{
-		Candidate  *cand = cs->list[i];
+		int			group = OUTBOX_LEASE_GROUP;
+		int			n = 0;
+		int			nnew = 0;
+		Datum		values[3];
+		Delivery   *ds;
+		int			nlocked;
 
-		if (cand->tried || cand->nevents == 0)
-			continue;
-		cand->tried = true;
-		types[n] = cand->aggregate_type;
-		ids[n++] = cand->aggregate_id;
-		if (!cand->has_row)
+		/* runs so far average (taken / leased) events: size the group by that */
+		if (leased > 0 && c->taken > taken_before)
+			group = Max(1, Min(OUTBOX_SCAN_CHUNK,
+							   (int) ((int64) (c->batch - c->taken) * leased /
+									  (c->taken - taken_before)) + 1));
+		for (; next < cs->nlist && n < group; next++)
 		{
-			new_types[nnew] = cand->aggregate_type;
-			new_ids[nnew++] = cand->aggregate_id;
+			Candidate  *cand = cs->list[next];
+
+			if (cand->tried || cand->nevents == 0)
+				continue;
+			cand->tried = true;
+			types[n] = cand->aggregate_type;
+			ids[n++] = cand->aggregate_id;
+			if (!cand->has_row)
+			{
+				new_types[nnew] = cand->aggregate_type;
+				new_ids[nnew++] = cand->aggregate_id;
+			}
 		}
-	}
-	if (n == 0)
-		return;
-	ensure_deliveries(new_types, new_ids, nnew);
+		if (n == 0)
+			break;
+		ensure_deliveries(new_types, new_ids, nnew);
 
-	key_arrays(types, ids, n, values);
-	values[2] = TimestampTzGetDatum(c->now);
-	nlocked = (int) outbox_exec(ST_LOCK_CANDIDATES, values, NULL, SPI_OK_SELECT);
-	ds = read_deliveries(nlocked);
-	for (int i = 0; i < nlocked && c->taken < c->batch; i++)
-	{
-		Candidate  *cand = candidate_get(cs, ds[i].aggregate_type, ds[i].aggregate_id, false);
+		key_arrays(types, ids, n, values);
+		values[2] = TimestampTzGetDatum(c->now);
+		nlocked = (int) outbox_exec(ST_LOCK_CANDIDATES, values, NULL, SPI_OK_SELECT);
+		ds = read_deliveries(nlocked);
+		for (int i = 0; i < nlocked && c->taken < c->batch; i++)
+		{
+			Candidate  *cand = candidate_get(cs, ds[i].aggregate_type, ds[i].aggregate_id, false);
 
-		take_run(c, &ds[i], cand ? cand->events : NULL, cand ? cand->nevents : 0);
+			take_run(c, &ds[i], cand ? cand->events : NULL, cand ? cand->nevents : 0);
+			if (ds[i].leased && lease_is(&ds[i], &c->token))
+				leased++;
+		}
+		write_deliveries(ds, nlocked);
 	}
-	write_deliveries(ds, nlocked);
 }
 
 /*
- * Scan events from the cursor, collect the aggregates that can be leased,
- * lease them, and move the cursor up to the first event still pending.
+ * Scan events from the cursor, lease the aggregates met that can be leased,
+ * and move the cursor up to the first event still pending.
  */
 static void
 claim_by_cursor(Claim *c)
 {
-	FullTransactionId horizon = event_horizon();
-	FullTransactionId from = read_cursor();
-	FullTransactionId first_pending = InvalidFullTransactionId;
-	FullTransactionId last_seen = from;
+	OutboxPos	horizon = event_horizon();
+	OutboxPos	from = read_cursor();
+	OutboxPos	first_pending = {{0}, {{0}}};
+	bool		pending_seen = false;
+	OutboxPos	last_seen = from;
 	bool		exhausted = false;
 	CandidateSet cs = {0};
-	int			pending_events = 0;
-	Datum		arg = FullTransactionIdGetDatum(from);
+	Datum		args[2];
 	Portal		portal;
 
-	portal = SPI_cursor_open(NULL, outbox_plan(ST_SCAN), &arg, NULL, false);
+	args[0] = FullTransactionIdGetDatum(from.txid);
+	args[1] = UUIDPGetDatum(&from.id);
+	portal = SPI_cursor_open(NULL, outbox_plan(ST_SCAN), args, NULL, false);
 	while (c->taken < c->batch)
 	{
 		SPITupleTable *tt;
@@ -1631,7 +1801,6 @@ claim_by_cursor(Claim *c)
 			HeapTuple	tup = tt->vals[r];
 			TupleDesc	desc = tt->tupdesc;
 			bool		isnull;
-			FullTransactionId txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
 			int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
 			Datum		acked = heap_getattr(tup, 10, desc, &isnull);
 			bool		has_row = !isnull;
@@ -1640,14 +1809,18 @@ claim_by_cursor(Claim *c)
 			char	   *id;
 			Candidate  *cand;
 
-			last_seen = txid;
+			last_seen.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
+			memcpy(&last_seen.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
 			if (has_row && seq <= DatumGetInt64(acked))
 				continue;		/* delivered */
 			(void) heap_getattr(tup, 12, desc, &isnull);
 			if (!isnull)
 				continue;		/* parked: found through retry_at */
-			if (!FullTransactionIdIsValid(first_pending))
-				first_pending = txid;
+			if (!pending_seen)
+			{
+				first_pending = last_seen;
+				pending_seen = true;
+			}
 			until = heap_getattr(tup, 11, desc, &isnull);
 			if (!isnull && DatumGetTimestampTz(until) > c->now)
 				continue;		/* leased by another relay */
@@ -1660,24 +1833,17 @@ claim_by_cursor(Claim *c)
 				continue;
 			cand->has_row = has_row;
 			candidate_add_event(cand, tup, desc, seq);
-			pending_events++;
 		}
-		if (pending_events >= c->batch - c->taken)
-		{
-			lease_candidates(c, &cs);
-			pending_events = 0;
-		}
+		lease_candidates(c, &cs);
 	}
 	SPI_cursor_close(portal);
-	if (c->taken < c->batch)
-		lease_candidates(c, &cs);
 
 	/* the cursor moves up to the first pending event, never past horizon */
-	if (FullTransactionIdIsValid(first_pending))
-		horizon = full_xid_min(horizon, first_pending);
-	else if (!exhausted)
-		horizon = full_xid_min(horizon, last_seen);
-	if (FullTransactionIdFollows(horizon, from))
+	if (pending_seen && pos_cmp(&first_pending, &horizon) < 0)
+		horizon = first_pending;
+	else if (!pending_seen && !exhausted && pos_cmp(&last_seen, &horizon) < 0)
+		horizon = last_seen;
+	if (pos_cmp(&horizon, &from) > 0)
 		write_cursor(horizon, c->now);
 }
 
@@ -1751,29 +1917,39 @@ static FoundEvent *
 find_events(Datum *ids, int n, int *nfound)
 {
 	int32	   *buckets = palloc(sizeof(int32) * n);
-	Datum		values[2];
+	FullTransactionId *txids = palloc(sizeof(FullTransactionId) * n);
+	Datum	   *k_txids = palloc(sizeof(Datum) * n);
+	Datum	   *k_ids = palloc(sizeof(Datum) * n);
 	FoundEvent *found = NULL;
 	int			cap = 0;
 
 	*nfound = 0;
 	for (int i = 0; i < n; i++)
-	{
-		TimestampTz ts;
-
-		if (!idem_outbox_id_time(DatumGetUUIDP(ids[i]), &ts, &buckets[i]))
+		if (!idem_outbox_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], &txids[i]))
 			buckets[i] = 0;		/* not an event id */
-	}
-	values[0] = build_array(ids, NULL, n, UUIDOID);
+
+	/* one statement per partition the ids name (usually one) */
 	for (int i = 0; i < n; i++)
 	{
 		bool		seen = buckets[i] == 0;
+		int			m = 0;
+		Datum		values[3];
 		uint64		got;
 
 		for (int j = 0; j < i && !seen; j++)
 			seen = buckets[j] == buckets[i];
 		if (seen)
 			continue;
-		values[1] = Int32GetDatum(buckets[i]);
+		for (int j = i; j < n; j++)
+		{
+			if (buckets[j] != buckets[i])
+				continue;
+			k_txids[m] = FullTransactionIdGetDatum(txids[j]);
+			k_ids[m++] = ids[j];
+		}
+		values[0] = build_array(k_txids, NULL, m, XID8OID);
+		values[1] = build_array(k_ids, NULL, m, UUIDOID);
+		values[2] = Int32GetDatum(buckets[i]);
 		got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
 		if (*nfound + (int) got > cap)
 		{

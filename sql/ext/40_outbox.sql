@@ -76,15 +76,17 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
 CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
     WHERE retry_at IS NOT NULL;
 
--- Every event from a transaction older than "position" is delivered, or
+-- Every event before (position, event_id) is delivered, or
 -- belongs to a parked aggregate: relays scan from here.  A lower bound only;
 -- written at most about once a second per relay.  Not dumped: transaction
 -- ids mean nothing in another cluster, so a restore starts from 0.
 CREATE TABLE idempotency.outbox_cursor (
     singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    position  xid8 NOT NULL
+    position  xid8 NOT NULL,                    -- an emitting transaction ...
+    event_id  uuid NOT NULL                     -- ... and an event id in it
 );
-INSERT INTO idempotency.outbox_cursor (position) VALUES ('0');
+INSERT INTO idempotency.outbox_cursor (position, event_id)
+VALUES ('0', '00000000-0000-0000-0000-000000000000');
 
 -- Dead-lettered events (a copy of each), until redriven or discarded.
 CREATE TABLE idempotency.outbox_dead_letters (
@@ -180,8 +182,8 @@ COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
     'drop dead-lettered events for good';
 
 -- True if a partition holds an undelivered or dead-lettered event, so
--- maintenance must keep it.  Scans the partition: maintenance asks it only
--- of partitions past their retention.
+-- maintenance must keep it.  May scan the partition: maintenance asks it
+-- only of partitions past their retention.
 CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
     LANGUAGE plpgsql STABLE
@@ -191,12 +193,13 @@ DECLARE
     pinned boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM %1$s e'
+        'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
+        '                 ON e.aggregate_type = x.aggregate_type'
+        '                AND e.aggregate_id = x.aggregate_id AND e.seq = x.seq)'
+        '    OR EXISTS (SELECT 1 FROM %1$s e'
         '               LEFT JOIN idempotency.outbox_deliveries d'
         '                 ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id'
-        '               WHERE e.seq > coalesce(d.acked_seq, 0))'
-        '    OR EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x'
-        '               JOIN %1$s e ON e.id = x.id)', part)
+        '               WHERE e.seq > coalesce(d.acked_seq, 0))', part)
         INTO pinned;
     RETURN pinned;
 END

@@ -92,7 +92,7 @@ is($node->safe_psql('target', q{
 is($node->safe_psql('target', q{
 	SELECT string_agg(aggregate_id || ':' || acked_seq, ',' ORDER BY aggregate_id)
 	  FROM idempotency.outbox_deliveries}),
-	'a:3,b:0,c:1,x:0', 'delivery state restored');
+	'a:3,b:0,c:1,x:0,z:0', 'delivery state restored');
 is($node->safe_psql('target', 'SELECT aggregate_id || seq FROM idempotency.outbox_dead'),
 	'x1', 'dead letters restored');
 is($node->safe_psql('target', q{SELECT seq FROM idem_outbox_emit('order', 'a', 'e', '{}')}),
