@@ -222,8 +222,8 @@ SQL
 
 # drain_all_idem / drain_all_plain DB: relays of 100 until nothing is left
 drain_all_idem() {
-    local db=$1 left i
-    for i in $(seq 50); do
+    local db=$1 left
+    for _ in $(seq 50); do
         left=$(backlog_idem "$db")
         ((left == 0)) && return 0
         pgb "$db" outbox_relay_idem.sql -c "$CLIENTS" -j "$CLIENTS" \
@@ -232,8 +232,8 @@ drain_all_idem() {
     die "$db: $(backlog_idem "$db") events still undelivered after 50 drains"
 }
 drain_all_plain() {
-    local db=$1 left i
-    for i in $(seq 50); do
+    local db=$1 left
+    for _ in $(seq 50); do
         left=$(backlog_plain "$db")
         ((left == 0)) && return 0
         pgb "$db" outbox_relay_plain.sql -c "$CLIENTS" -j "$CLIENTS" \
@@ -366,7 +366,7 @@ drain_pgbench() {
 
 part_drain() {
     local db=obx_drain r nrel ev secs left order s rate
-    declare -A B=() C=()
+    declare -A DBASE=() DCAND=()
     new_db $db
     warm_aggregates $db
     q $db -c "VACUUM ANALYZE" -c "CHECKPOINT" >/dev/null
@@ -385,10 +385,10 @@ part_drain() {
                 ev=$DR_EV secs=$DR_SECS left=$DR_LEFT
                 rate=$(awk -v e="$ev" -v s="$secs" 'BEGIN { printf "%.1f", e / s }')
                 if [[ $s == plain ]]; then
-                    B[$nrel]+="$rate "
+                    DBASE[$nrel]+="$rate "
                     line+="  DELETE SKIP LOCKED $ev events in ${secs}s = $(fmt "$rate")/s ($left left$DR_CAPPED)"
                 else
-                    C[$nrel]+="$rate "
+                    DCAND[$nrel]+="$rate "
                     line+="  claim+ack $ev events in ${secs}s = $(fmt "$rate")/s ($left left$DR_CAPPED)"
                 fi
             done
@@ -400,7 +400,7 @@ part_drain() {
     done
     for nrel in $RELAYS; do
         # shellcheck disable=SC2086
-        ratio "outbox (b) drain, $nrel relays, batch $BATCH" events/s claim+ack ${C[$nrel]:-0} -- "DELETE SKIP LOCKED" ${B[$nrel]}
+        ratio "outbox (b) drain, $nrel relays, batch $BATCH" events/s claim+ack ${DCAND[$nrel]:-0} -- "DELETE SKIP LOCKED" ${DBASE[$nrel]}
     done
 }
 
@@ -555,9 +555,9 @@ part_many() {
 # wal_side DB SIDE: sets WAL_E, WAL_D, WAL_V: bytes per event of emit,
 # emit + drain, emit + drain + VACUUM
 wal_side() {
-    local db=$1 side=$2 per l0 l1 l2 l3 pass
+    local db=$1 side=$2 per l0 l1 l2 l3
     per=$(((WAL_EV + CLIENTS - 1) / CLIENTS))
-    for pass in warm measure; do
+    for _ in warm measure; do   # a warm-up pass, then the measured one
         l0=$(lsn $db)
         if [[ $side == plain ]]; then
             pgb $db outbox_emit_plain.sql -c "$CLIENTS" -j "$CLIENTS" -t "$per"
