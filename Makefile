@@ -38,6 +38,9 @@ OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
 # sql/ext/ fragments that are wholly new in this version, so that no CREATE
 # statement is written twice.
 NEW_IN_VERSION = sql/ext/40_outbox.sql
+# ... and then, like the install script, a first maintenance round (the new
+# stores get their first partitions at once)
+EXT_INIT = sql/ext/99_init.sql
 UPGRADE_TO_CURRENT = $(sort $(wildcard sql/versions/idempotency--*--$(EXTVERSION).sql))
 DATA_built = idempotency--$(EXTVERSION).sql $(notdir $(UPGRADE_TO_CURRENT))
 DATA = $(filter-out $(UPGRADE_TO_CURRENT),$(sort $(wildcard sql/versions/idempotency--*.sql)))
@@ -90,7 +93,7 @@ endif
 idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 	cat $(EXT_SQL) > $@
 
-$(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION)
+$(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION) $(EXT_INIT)
 	cat $^ > $@
 
 $(OBJS): $(wildcard src/*.h)

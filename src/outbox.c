@@ -69,6 +69,7 @@
 #include "storage/itemptr.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/datetime.h"
 #include "utils/guc.h"
 #include "utils/json.h"
 #include "utils/jsonb.h"
@@ -235,6 +236,10 @@ idem_outbox_init(void)
 
 #define EVENT_COLUMNS \
 	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
+/* no RETURNING: emitting needs no SELECT privilege on the events */
+#define INSERT_EVENT_FROM_S \
+	"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")" \
+	" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
 
 typedef enum
 {
@@ -273,10 +278,9 @@ typedef struct OutboxPlan
 static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
 	[ST_EMIT_NEXT] = {
-		"WITH s AS (" NEXT_SEQ ")"
-		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
-		" RETURNING seq",
+		"WITH s AS (" NEXT_SEQ "), "
+		" e AS (" INSERT_EVENT_FROM_S ")"
+		" SELECT last_seq FROM s",
 		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
 	},
 	[ST_EMIT_NEXT_SEQ] = {
@@ -289,10 +293,9 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" VALUES ($1, $2, 1)"
 		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
 		" RETURNING q.last_seq), "
-		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
-		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
-		" RETURNING seq",
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") "), "
+		" e AS (" INSERT_EVENT_FROM_S ")"
+		" SELECT last_seq FROM s",
 		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
 	},
 	[ST_EMIT_SEQ] = {
@@ -753,9 +756,15 @@ event_json(const OutboxEvent *ev)
 	appendStringInfoString(&buf, JsonbToCString(NULL, &ev->payload->root, VARSIZE(ev->payload)));
 	appendStringInfoString(&buf, ",\"headers\":");
 	appendStringInfoString(&buf, JsonbToCString(NULL, &ev->headers->root, VARSIZE(ev->headers)));
-	appendStringInfoString(&buf, ",\"created_at\":");
-	escape_json(&buf, DatumGetCString(DirectFunctionCall1(timestamptz_out,
-														  TimestampTzGetDatum(ev->created_at))));
+	/* ISO 8601 in UTC, as to_json() writes it, whatever DateStyle says */
+	{
+		char		iso[MAXDATELEN + 1];
+		int			utc = 0;
+
+		appendStringInfoString(&buf, ",\"created_at\":");
+		escape_json(&buf, JsonEncodeDateTime(iso, TimestampTzGetDatum(ev->created_at),
+											 TIMESTAMPTZOID, &utc));
+	}
 	appendStringInfoChar(&buf, '}');
 	return buf.data;
 }
@@ -859,9 +868,9 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		values[6] = TimestampTzGetDatum(ev.created_at);
 		values[7] = FullTransactionIdGetDatum(txid);
 		values[8] = Int32GetDatum(bucket);
-		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_INSERT_RETURNING);
+		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_SELECT);
 		if (n == 0)
-			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
+			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_SELECT);
 	}
 	if (n != 1)
 		elog(ERROR, "outbox emit wrote " UINT64_FORMAT " rows", n);

@@ -4,7 +4,12 @@
 -- once, some twice or three times, in shuffled order, under a lease; a
 -- delivery that is not acknowledged before its lease runs out is handed out
 -- again.  Consumers apply each event's effect through idem_claim, in the same
--- transaction as the effect.
+-- transaction as the effect, and emit a follow-up event (balance_changed)
+-- through the transactional outbox in that transaction too.  Relays
+-- (test/relay/idem-relay) deliver the follow-up events, at least once, to a
+-- downstream consumer (demo.deliver) that dedupes them on
+-- aggregate_type:aggregate_id:seq with a claim in its own scope and keeps a
+-- read model (demo.account_view) behind a version guard.
 \set ON_ERROR_STOP 1
 SET client_min_messages = warning;
 
@@ -79,17 +84,24 @@ BEGIN
 END
 $$;
 
--- handle: THE event handler.  The claim and the effect commit or roll back
--- together, in the caller's transaction.
+-- handle: THE event handler.  The claim, the effect and the follow-up event
+-- commit or roll back together, in the caller's transaction.
 CREATE FUNCTION demo.handle(e int, consumer text) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     fresh boolean := idem_claim('event-' || e, 'demo');
+    acc int;
+    bal bigint;
+    amt int;
 BEGIN
     IF fresh THEN
         INSERT INTO demo.effects (event_id, consumer) VALUES (e, consumer);
         UPDATE demo.accounts a SET balance = a.balance + ev.amount
-        FROM demo.events ev WHERE ev.id = e AND a.id = ev.account;
+        FROM demo.events ev WHERE ev.id = e AND a.id = ev.account
+        RETURNING a.id, a.balance, ev.amount INTO acc, bal, amt;
+        -- tell the world: seq is the next number of aggregate account:<acc>
+        PERFORM idem_outbox_emit('account', acc::text, 'balance_changed',
+                                 jsonb_build_object('event_id', e, 'amount', amt, 'balance', bal));
     END IF;
     INSERT INTO demo.handled VALUES (e, consumer, fresh);
     RETURN fresh;
@@ -144,5 +156,69 @@ BEGIN
         PERFORM pg_sleep(0.001);
     END LOOP;
     RETURN NULL;
+END
+$$;
+
+-- Downstream: the service that consumes the follow-up events (in the same
+-- database here, for the demo's sake).  The relays (test/relay/idem-relay
+-- --sql) call demo.deliver for each event, on a connection of their own.
+
+-- each event the consumer applied, in arrival order.  No unique constraint
+-- on purpose: a doubled event must show up in the count.
+CREATE TABLE demo.received (
+    arrival bigserial PRIMARY KEY,
+    key     text NOT NULL,              -- aggregate_type:aggregate_id:seq
+    account int NOT NULL,
+    seq     bigint NOT NULL,
+    relay   text NOT NULL
+);
+-- every delivery the consumer committed, duplicates included
+CREATE TABLE demo.downstream_log (
+    key          text NOT NULL,
+    account      int NOT NULL,
+    seq          bigint NOT NULL,
+    relay        text NOT NULL,
+    fresh        boolean NOT NULL,      -- the claim was new: the event was applied
+    view_updated boolean NOT NULL,      -- the version guard let the read model update through
+    at           timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+-- the read model: each account's balance as the newest event told it.  The
+-- version guard skips an update whose version (the event's seq) is not newer.
+CREATE TABLE demo.account_view (
+    id      int PRIMARY KEY,
+    balance bigint NOT NULL DEFAULT 0,
+    version bigint NOT NULL DEFAULT 0
+);
+INSERT INTO demo.account_view (id) SELECT id FROM demo.accounts;
+SELECT count(*) AS guarded FROM idem_guard_version('demo.account_view') \gset
+
+-- deliver: the consumer's endpoint.  Dedupes on the Idempotency-Key with a
+-- claim in its own scope, in the transaction that applies the event.  It
+-- takes 20 ms an event (think of a network hop), and now and then it is
+-- "unavailable" (raises before doing anything): the relay nacks the event
+-- and redelivers it.
+CREATE FUNCTION demo.deliver(ev jsonb, relay text, fail_percent float DEFAULT 1) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    key text := format('%s:%s:%s', ev->>'aggregate_type', ev->>'aggregate_id', ev->>'seq');
+    acc int := (ev->>'aggregate_id')::int;
+    s bigint := (ev->>'seq')::bigint;
+    fresh boolean;
+    updated int;
+BEGIN
+    PERFORM pg_sleep(0.02);
+    IF random() * 100 < fail_percent THEN
+        RAISE EXCEPTION 'consumer unavailable (simulated 503)';
+    END IF;
+    fresh := idem_claim(key, 'downstream');
+    IF fresh THEN
+        INSERT INTO demo.received (key, account, seq, relay) VALUES (key, acc, s, relay);
+    END IF;
+    UPDATE demo.account_view SET balance = (ev->'payload'->>'balance')::bigint, version = s
+    WHERE id = acc;
+    GET DIAGNOSTICS updated = ROW_COUNT;
+    INSERT INTO demo.downstream_log (key, account, seq, relay, fresh, view_updated)
+    VALUES (key, acc, s, relay, fresh, updated > 0);
+    RETURN fresh;
 END
 $$;
