@@ -205,7 +205,9 @@ idem_outbox_init(void)
  * Locked deliveries rows, as read_deliveries() expects them: FROM one of
  * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
  * (an index probe per key, in key order, whatever the statistics say), and
- * bring the newest seq of each aggregate along.
+ * bring the newest seq of each aggregate along.  A LATERAL lookup that does
+ * not lock carries a LIMIT, so that the planner cannot flatten it into a
+ * hash join over the whole table.
  */
 #define DELIVERY_COLUMNS \
 	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
@@ -213,7 +215,8 @@ idem_outbox_init(void)
 	" coalesce(s.last_seq, 0), d.row_ctid"
 #define DELIVERY_JOIN_SEQUENCES \
 	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
-	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id) s ON true"
+	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id" \
+	"   LIMIT 1) s ON true"
 /* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
 #define DELIVERIES_BY_KEYS(cond, lock) \
 	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
@@ -364,7 +367,8 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		"       ORDER BY e.txid, e.id LIMIT " CppAsString2(OUTBOX_SCAN_CHUNK) ") e"
 		" LEFT JOIN LATERAL (SELECT d.acked_seq, d.lease_until, d.retry_at"
 		"   FROM idempotency.outbox_deliveries d"
-		"   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id) d ON true"
+		"   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
+		"   LIMIT 1) d ON true"
 		" ORDER BY e.txid, e.id",
 		2, {XID8OID, UUIDOID}
 	},
@@ -435,7 +439,7 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 		" FROM unnest($1::xid8[], $2::uuid[]) AS k(t, i)"
 		" CROSS JOIN LATERAL (SELECT e.aggregate_type, e.aggregate_id, e.seq"
 		"   FROM idempotency.outbox_events e"
-		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i) e",
+		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i LIMIT 1) e",
 		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
 	},
 	[ST_LOCK_DELIVERIES] = {
