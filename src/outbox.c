@@ -2036,16 +2036,21 @@ distinct_aggregates(FoundEvent *f, int n, char ***types, char ***ids)
 	return m;
 }
 
-/* Mark d delivered up to a seq; the lease ends once its run is delivered. */
+/*
+ * Mark d delivered up to a seq; the lease ends once its run is delivered.
+ * attempts counts the hand-outs of the head: a new head that was handed out
+ * in the run (a partial ack) keeps the count, a new one starts at 0.
+ */
 static void
 advance(Delivery *d, int64 to)
 {
 	d->acked = to;
-	d->attempts = 0;
 	d->error = NULL;
 	d->changed = true;
 	if (d->leased && d->acked >= d->leased_seq)
 		end_lease(d);
+	if (!d->leased)
+		d->attempts = 0;
 	if (d->parked && !d->dead)
 		d->unpark = !d->leased;
 }

@@ -182,6 +182,87 @@ create_one(void *arg)
 	return true;
 }
 
+typedef struct ReshapeCall
+{
+	OutboxRound *r;
+	OutboxPartition *parts;
+	int			n;
+} ReshapeCall;
+
+static void
+set_range(OutboxPartition *p, TimestampTz lower, TimestampTz upper)
+{
+	Oid			types[3] = {OIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[3];
+
+	values[0] = ObjectIdGetDatum(p->relid);
+	values[1] = TimestampTzGetDatum(lower);
+	values[2] = TimestampTzGetDatum(upper);
+	idem_spi_exec("UPDATE idempotency.outbox_partitions SET lower = $2, upper = $3 WHERE relid = $1",
+				  3, types, values, SPI_OK_UPDATE);
+	p->lower = lower;
+	p->upper = upper;
+}
+
+/*
+ * After partition_interval changed: end the current partition at the next
+ * boundary of the new grid and give the premade ones ranges of the new
+ * width from there.  A range is only the registry's word on which events a
+ * partition takes (emitters follow it through their cache), so this is no
+ * DDL; events already in a partition keep it for the retention after the
+ * newest of them.
+ */
+static bool
+reshape_one(void *arg)
+{
+	ReshapeCall *c = arg;
+	OutboxRound *r = c->r;
+	int64		iv = r->s->interval * USECS_PER_SEC;
+	TimestampTz next = idem_next_boundary(r->now, r->s->interval);
+	TimestampTz cursor = next;
+	bool		changed = false;
+
+	for (int i = 0; i < c->n; i++)
+	{
+		OutboxPartition *p = &c->parts[i];
+
+		if (p->lower <= r->now && r->now < p->upper && p->upper > next &&
+			p->upper - p->lower != iv)
+		{
+			set_range(p, p->lower, next);
+			changed = true;
+		}
+	}
+	for (int i = 0; i < c->n; i++)
+	{
+		OutboxPartition *p = &c->parts[i];
+
+		if (p->lower <= r->now)
+			continue;
+		if (p->lower != cursor || p->upper != cursor + iv)
+		{
+			set_range(p, cursor, cursor + iv);
+			changed = true;
+		}
+		cursor += iv;
+	}
+	if (changed)
+		idem_report_action(r->rep, "reshape", IDEM_SCHEMA ".outbox_events");
+	return changed;
+}
+
+/* Does any partition not yet passed have another width than the setting? */
+static bool
+needs_reshape(OutboxRound *r, OutboxPartition *parts, int n)
+{
+	int64		iv = r->s->interval * USECS_PER_SEC;
+
+	for (int i = 0; i < n; i++)
+		if (parts[i].upper > r->now && parts[i].upper - parts[i].lower != iv)
+			return true;
+	return false;
+}
+
 /*
  * Make sure partitions cover [start of the current interval, now + premake
  * intervals), following the newest one without a gap (after a lag the new
@@ -328,6 +409,13 @@ idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now
 
 	forget_missing(&r);
 	parts = read_partitions(&n);
+	if (needs_reshape(&r, parts, n))
+	{
+		ReshapeCall call = {&r, parts, n};
+
+		(void) idem_run_guarded(rep, "reshape", IDEM_SCHEMA ".outbox_events", reshape_one, &call);
+		parts = read_partitions(&n);
+	}
 	ensure_partitions(&r, parts, n);
 	drop_expired(&r, parts, n);
 }
