@@ -8,7 +8,9 @@
 # Released versions are frozen in sql/versions/: the install script of each
 # earlier release (idempotency--1.0.sql) and the upgrade scripts
 # (idempotency--1.0--1.1.sql).  Every object added to or changed in sql/ext/
-# goes into the upgrade script to the current version too; the TAP test
+# goes into the upgrade script to the current version too (a fragment that
+# is new as a whole is listed in NEW_IN_VERSION and appended when the script
+# is built); the TAP test
 # test/tap/040_upgrade.pl checks that every earlier version, updated, has
 # the objects of a fresh install.  To release
 # version X and start X+1: copy the built idempotency--X.sql into
@@ -31,8 +33,14 @@ endif
 
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
-DATA_built = idempotency--$(EXTVERSION).sql
-DATA = $(sort $(wildcard sql/versions/idempotency--*.sql))
+# Upgrade scripts to the version being built: the hand-written script in
+# sql/versions/ (changes to objects of the earlier release), followed by the
+# sql/ext/ fragments that are wholly new in this version, so that no CREATE
+# statement is written twice.
+NEW_IN_VERSION = sql/ext/40_outbox.sql
+UPGRADE_TO_CURRENT = $(sort $(wildcard sql/versions/idempotency--*--$(EXTVERSION).sql))
+DATA_built = idempotency--$(EXTVERSION).sql $(notdir $(UPGRADE_TO_CURRENT))
+DATA = $(filter-out $(UPGRADE_TO_CURRENT),$(sort $(wildcard sql/versions/idempotency--*.sql)))
 PG_CPPFLAGS = -Isrc
 # -Wextra's unused-parameter fires in PostgreSQL's own headers (and on every
 # PG_FUNCTION_ARGS), so it alone is off
@@ -81,5 +89,8 @@ endif
 
 idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 	cat $(EXT_SQL) > $@
+
+$(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION)
+	cat $^ > $@
 
 $(OBJS): $(wildcard src/*.h)

@@ -8,7 +8,7 @@ CREATE EXTENSION idempotency;
 SELECT count(*) AS partitions,
        count(*) FILTER (WHERE state = 'current') AS current,
        count(*) FILTER (WHERE state = 'future') AS future
-  FROM idempotency.partitions;
+  FROM idempotency.partitions WHERE store = 'claims';
 -- defaults apply while idempotency.settings has no row
 SELECT count(*) AS settings_rows FROM idempotency.settings;
 -- partitions are not extension members (pg_dump must dump them as data)
@@ -44,7 +44,8 @@ SELECT idem_configure();
 SELECT retention, partition_interval, premake FROM idempotency.settings;
 
 -- a more-premake configuration created the missing partitions at once
-SELECT count(*) FILTER (WHERE state = 'future') AS future FROM idempotency.partitions;
+SELECT count(*) FILTER (WHERE state = 'future') AS future FROM idempotency.partitions
+ WHERE store = 'claims';
 -- the ranges of partitions that take claims are contiguous
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower

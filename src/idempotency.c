@@ -13,6 +13,7 @@
 
 #include "catalog/namespace.h"
 #include "fmgr.h"
+#include "utils/guc.h"
 #include "utils/lsyscache.h"
 
 PG_MODULE_MAGIC;
@@ -25,6 +26,7 @@ _PG_init(void)
 	idem_partitions_init();
 	idem_filters_init();
 	idem_guards_init();
+	idem_outbox_init();
 	idem_worker_init();
 }
 
@@ -56,4 +58,21 @@ idem_internal_relid(const char *relname)
 				 errmsg("relation \"%s.%s\" does not exist", IDEM_SCHEMA, relname),
 				 errhint("The idempotency extension may be damaged; reinstall it.")));
 	return relid;
+}
+
+/*
+ * Pin search_path to pg_catalog while preparing or running internal SQL
+ * (maintenance often runs as a superuser): no operator or function a user
+ * put on the path can stand in for the built-in ones.  Returns the GUC nest
+ * level to undo with AtEOXact_GUC(true, level).
+ */
+int
+idem_pin_search_path(void)
+{
+	int			nestlevel = NewGUCNestLevel();
+
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, 0, false);
+	return nestlevel;
 }

@@ -7,7 +7,9 @@
  * partitions.c (the per-backend cache of the partition registry that every
  * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
  * backend memory), retention.c (the maintenance round and idem_configure),
- * worker.c (the background worker); guarded writes take three,
+ * worker.c (the background worker), outbox.c (the transactional outbox:
+ * emit and the relay API) and outbox_store.c (its partitions); guarded
+ * writes take three,
  * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
  * idempotency.c holds only _PG_init and the few helpers every subsystem
  * uses.
@@ -22,7 +24,9 @@
 #include "datatype/timestamp.h"
 #include "utils/elog.h"
 #include "utils/relcache.h"
+#include "access/transam.h"
 #include "utils/snapshot.h"
+#include "utils/uuid.h"
 
 /* Name of the schema that holds the extension's tables and internals. */
 #define IDEM_SCHEMA "idempotency"
@@ -37,6 +41,7 @@
 /* idempotency.c: helpers shared by the subsystems */
 extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
+extern int	idem_pin_search_path(void);
 
 /*---- limits shared by C, SQL and messages ----*/
 
@@ -154,8 +159,39 @@ extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern void idem_filters_init(void);
 
-/*---- retention.c: maintenance ----*/
+/*---- retention.c: maintenance, and what outbox_store.c shares of it ----*/
 extern int	idem_maintain_round(int elevel);
+
+/* Where a maintenance round reports its actions: rows, or the log. */
+typedef struct MaintainReport
+{
+	struct Tuplestorestate *store;	/* NULL: log instead */
+	struct TupleDescData *desc;
+	int			elevel;
+	int			nactions;
+} MaintainReport;
+
+typedef bool (*IdemGuardedAction) (void *arg);
+
+extern void idem_report_action(MaintainReport *rep, const char *action, const char *object);
+extern bool idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
+							 IdemGuardedAction fn, void *arg);
+extern void idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected);
+extern void idem_exec_ddl_as_data(const char *sql);
+extern char *idem_partition_name(const char *prefix, TimestampTz lower);
+extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
+
+/*---- outbox.c and outbox_store.c: the transactional outbox ----*/
+
+/* partition buckets are 1 .. IDEM_OUTBOX_BUCKETS; event ids carry 24 bits */
+#define IDEM_OUTBOX_BUCKETS		((1 << 24) - 1)
+
+extern void idem_outbox_init(void);
+extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
+								 FullTransactionId *txid);
+extern void idem_outbox_store_init(void);
+extern int32 idem_outbox_target_bucket(TimestampTz now);
+extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);

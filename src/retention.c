@@ -87,8 +87,8 @@ check_maintenance_privilege(const char *what)
 /*---- SQL helpers ----*/
 
 /* Run one utility or DML statement through SPI, with arguments. */
-static void
-spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected)
+void
+idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected)
 {
 	int			rc = SPI_execute_with_args(sql, nargs, types, values, NULL, false, 0);
 
@@ -97,49 +97,44 @@ spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected)
 }
 
 /*
- * Create one partition for [lower, upper) and register it.  The name carries
- * the lower bound and a random suffix, so a restored dump never collides
- * with partitions that CREATE EXTENSION made in the target database.
+ * A new name for a partition of "prefix" starting at lower, schema-qualified
+ * and quoted.  It carries the lower bound and a random suffix, so a restored
+ * dump never collides with partitions that CREATE EXTENSION made in the
+ * target database.
  */
-static char *
-create_partition(TimestampTz lower, TimestampTz upper)
+char *
+idem_partition_name(const char *prefix, TimestampTz lower)
 {
 	struct pg_tm tm;
 	fsec_t		fsec;
 	char		relname[NAMEDATALEN];
-	char	   *qualified;
-	StringInfoData sql;
-	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
-	Datum		values[3];
-	bool		save_creating = creating_extension;
-	Oid			save_extension = CurrentExtensionObject;
 
 	if (timestamp2tm(lower, NULL, &tm, &fsec, NULL, NULL) != 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_DATETIME_VALUE_OUT_OF_RANGE),
 				 errmsg("timestamp out of range")));
-	snprintf(relname, sizeof(relname), "claims_%04d%02d%02d_%02d%02d%02d_%08x",
+	snprintf(relname, sizeof(relname), "%s_%04d%02d%02d_%02d%02d%02d_%08x", prefix,
 			 tm.tm_year, tm.tm_mon, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
 			 (unsigned int) pg_prng_uint32(&pg_global_prng_state));
-	qualified = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+	return psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+}
 
-	/*
-	 * Partitions are data, not part of the extension: pg_dump must dump them
-	 * like user tables.  So even when the install script creates the first
-	 * ones, they must not become extension members.
-	 */
+/*
+ * Run DDL that creates data, not parts of the extension: pg_dump must dump
+ * partitions like user tables, so even when the install script creates the
+ * first ones, they must not become extension members.
+ */
+void
+idem_exec_ddl_as_data(const char *sql)
+{
+	bool		save_creating = creating_extension;
+	Oid			save_extension = CurrentExtensionObject;
+
 	creating_extension = false;
 	CurrentExtensionObject = InvalidOid;
 	PG_TRY();
 	{
-		initStringInfo(&sql);
-		appendStringInfo(&sql, "CREATE TABLE %s () INHERITS (%s.claims)",
-						 qualified, IDEM_SCHEMA);
-		spi_exec(sql.data, 0, NULL, NULL, SPI_OK_UTILITY);
-
-		resetStringInfo(&sql);
-		appendStringInfo(&sql, "CREATE UNIQUE INDEX ON %s (scope, key)", qualified);
-		spi_exec(sql.data, 0, NULL, NULL, SPI_OK_UTILITY);
+		idem_spi_exec(sql, 0, NULL, NULL, SPI_OK_UTILITY);
 	}
 	PG_FINALLY();
 	{
@@ -147,30 +142,34 @@ create_partition(TimestampTz lower, TimestampTz upper)
 		CurrentExtensionObject = save_extension;
 	}
 	PG_END_TRY();
+}
+
+/* Create one partition of idempotency.claims for [lower, upper) and register it. */
+static char *
+create_partition(TimestampTz lower, TimestampTz upper)
+{
+	char	   *qualified = idem_partition_name("claims", lower);
+	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[3];
+
+	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s () INHERITS (%s.claims)",
+								   qualified, IDEM_SCHEMA));
+	idem_exec_ddl_as_data(psprintf("CREATE UNIQUE INDEX ON %s (scope, key)", qualified));
 
 	values[0] = CStringGetTextDatum(qualified);
 	values[1] = TimestampTzGetDatum(lower);
 	values[2] = TimestampTzGetDatum(upper);
-	spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
-			 " VALUES ($1::pg_catalog.regclass, $2, $3)",
-			 3, types, values, SPI_OK_INSERT);
+	idem_spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
+				  " VALUES ($1::pg_catalog.regclass, $2, $3)",
+				  3, types, values, SPI_OK_INSERT);
 	return qualified;
 }
 
 
 /*---- a round and its actions ----*/
 
-/* Where a maintenance round reports its actions: rows, or the log. */
-typedef struct MaintainReport
-{
-	Tuplestorestate *store;		/* NULL: log instead */
-	TupleDesc	desc;
-	int			elevel;
-	int			nactions;
-} MaintainReport;
-
-static void
-report_action(MaintainReport *rep, const char *action, const char *object)
+void
+idem_report_action(MaintainReport *rep, const char *action, const char *object)
 {
 	Datum		values[2];
 	bool		nulls[2] = {false, false};
@@ -214,22 +213,19 @@ partition_name(Oid relid)
  * Run one action in a subtransaction.  An error is reported as a row
  * ("skip <verb> (<message>)") and rolled back alone; the round goes on.
  */
-static bool
-run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
+bool
+idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
+				 IdemGuardedAction fn, void *arg)
 {
 	MemoryContext oldcxt = CurrentMemoryContext;
 	ResourceOwner oldowner = CurrentResourceOwner;
-	char	   *name = partition_name(p->relid);
 	bool		done = false;
-
-	if (name == NULL)
-		return false;			/* dropped by hand: forget_missing() sees to it */
 
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(oldcxt);
 	PG_TRY();
 	{
-		done = fn(r, p, name);
+		done = fn(arg);
 		ReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
@@ -244,12 +240,38 @@ run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
-		report_action(r->rep, psprintf("skip %s (%s)", verb, edata->message), name);
+		idem_report_action(rep, psprintf("skip %s (%s)", verb, edata->message), object);
 		FreeErrorData(edata);
 		done = false;
 	}
 	PG_END_TRY();
 	return done;
+}
+
+typedef struct PartitionActionCall
+{
+	Round	   *r;
+	PartitionAction fn;
+	IdemPartition *p;
+	const char *name;
+} PartitionActionCall;
+
+static bool
+call_partition_action(void *arg)
+{
+	PartitionActionCall *call = arg;
+
+	return call->fn(call->r, call->p, call->name);
+}
+
+static bool
+run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
+{
+	PartitionActionCall call = {r, fn, p, partition_name(p->relid)};
+
+	if (call.name == NULL)
+		return false;			/* dropped by hand: forget_missing() sees to it */
+	return idem_run_guarded(r->rep, verb, call.name, call_partition_action, &call);
 }
 
 static TimestampTz
@@ -259,8 +281,8 @@ add_seconds(TimestampTz t, int64 secs)
 }
 
 /* The next boundary of the interval grid at least a second after now. */
-static TimestampTz
-next_boundary(TimestampTz now, int64 interval_secs)
+TimestampTz
+idem_next_boundary(TimestampTz now, int64 interval_secs)
 {
 	int64		iv = interval_secs * USECS_PER_SEC;
 	TimestampTz next = now - (now % iv) + iv;
@@ -276,7 +298,7 @@ set_upper(Oid relid, TimestampTz upper)
 	Oid			types[2] = {OIDOID, TIMESTAMPTZOID};
 	Datum		values[2] = {ObjectIdGetDatum(relid), TimestampTzGetDatum(upper)};
 
-	spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
+	idem_spi_exec("UPDATE idempotency.partition_registry SET upper = $2 WHERE relid = $1",
 			 2, types, values, SPI_OK_UPDATE);
 }
 
@@ -323,7 +345,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	report_action(r->rep, "seal", name);
+	idem_report_action(r->rep, "seal", name);
 	return true;
 }
 
@@ -357,13 +379,13 @@ drop_one(Round *r, IdemPartition *p, const char *name)
 
 	if (!ConditionalLockRelationOid(p->relid, AccessExclusiveLock))
 	{
-		report_action(r->rep, "skip drop (in use)", name);
+		idem_report_action(r->rep, "skip drop (in use)", name);
 		return false;
 	}
-	spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
+	idem_spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
 			 1, types, values, SPI_OK_DELETE);
-	spi_exec(psprintf("DROP TABLE %s", name), 0, NULL, NULL, SPI_OK_UTILITY);
-	report_action(r->rep, "drop", name);
+	idem_spi_exec(psprintf("DROP TABLE %s", name), 0, NULL, NULL, SPI_OK_UTILITY);
+	idem_report_action(r->rep, "drop", name);
 	return true;
 }
 
@@ -395,7 +417,7 @@ static bool
 extend_one(Round *r, IdemPartition *p, const char *name)
 {
 	set_upper(p->relid, p->upper);
-	report_action(r->rep, "extend", name);
+	idem_report_action(r->rep, "extend", name);
 	return true;
 }
 
@@ -403,7 +425,7 @@ static bool
 cut_one(Round *r, IdemPartition *p, const char *name)
 {
 	set_upper(p->relid, p->upper);
-	report_action(r->rep, "cut", name);
+	idem_report_action(r->rep, "cut", name);
 	return true;
 }
 
@@ -439,7 +461,7 @@ ensure_partitions(Round *r)
 {
 	bool		covers;
 	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
-	TimestampTz next = next_boundary(r->now, r->s.interval);
+	TimestampTz next = idem_next_boundary(r->now, r->s.interval);
 	TimestampTz horizon = add_seconds(r->now, r->s.interval * r->s.premake);
 	TimestampTz upper = next;
 	TimestampTz ahead = 0;
@@ -461,7 +483,7 @@ ensure_partitions(Round *r)
 
 		if (lower > r->now)
 			lower -= r->s.interval * USECS_PER_SEC;
-		report_action(r->rep, "create", create_partition(lower, upper));
+		idem_report_action(r->rep, "create", create_partition(lower, upper));
 		cursor = upper;
 	}
 
@@ -477,7 +499,7 @@ ensure_partitions(Round *r)
 	{
 		TimestampTz u = add_seconds(cursor, r->s.interval);
 
-		report_action(r->rep, "create", create_partition(cursor, u));
+		idem_report_action(r->rep, "create", create_partition(cursor, u));
 		cursor = u;
 	}
 }
@@ -494,7 +516,7 @@ reshape_partitions(Round *r)
 {
 	bool		covers;
 	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
-	TimestampTz next = next_boundary(r->now, r->s.interval);
+	TimestampTz next = idem_next_boundary(r->now, r->s.interval);
 	bool		all_sealed = true;
 
 	for (int i = 0; i < r->set->nparts && all_sealed; i++)
@@ -528,24 +550,8 @@ forget_missing(Round *r)
 					false, 0) != SPI_OK_DELETE_RETURNING)
 		elog(ERROR, "could not update idempotency.partition_registry");
 	for (uint64 i = 0; i < SPI_processed; i++)
-		report_action(r->rep, "forget missing partition",
+		idem_report_action(r->rep, "forget missing partition",
 					  SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
-}
-
-/*
- * Maintenance runs SQL as the owner of idempotency.claims (often a
- * superuser): pin search_path so that no operator or function a user put on
- * it can stand in for the built-in ones.  Undo with AtEOXact_GUC().
- */
-static int
-pin_search_path(void)
-{
-	int			nestlevel = NewGUCNestLevel();
-
-	(void) set_config_option("search_path", "pg_catalog, pg_temp",
-							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-							 true, 0, false);
-	return nestlevel;
 }
 
 /* Take the maintenance lock; false if busy and not waiting. */
@@ -581,7 +587,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	if (!lock_maintenance(wait))
 		return false;
 
-	nestlevel = pin_search_path();
+	nestlevel = idem_pin_search_path();
 	SPI_connect();
 	r.rep = rep;
 	r.s = idem_read_settings(GetLatestSnapshot());
@@ -602,6 +608,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	r.set = idem_partition_set_fresh();
 	drop_expired(&r, before);
 	idem_filters_forget_others(idem_partition_set_fresh());
+	idem_outbox_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 	return true;
@@ -694,7 +701,7 @@ idem_configure(PG_FUNCTION_ARGS)
 
 	/* validate against the settings no other configuration can change now */
 	lock_maintenance(true);
-	nestlevel = pin_search_path();
+	nestlevel = idem_pin_search_path();
 	SPI_connect();
 	s = idem_read_settings(GetLatestSnapshot());
 	old_interval = s.interval;

@@ -23,7 +23,7 @@
 #   IDEM_KEEP=1   keep the temp dir (work copy, data dir, logs) on exit
 #   CI=true       build with -Werror (make WERROR=1), as .ci/run does
 
-IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron
+IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
                postgresql-15-pgtap pgtap libipc-run-perl)
 
 idem_log()  { printf '==> %s\n' "$*"; }

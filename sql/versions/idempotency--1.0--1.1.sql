@@ -16,6 +16,9 @@
 --     only append, so add them at the end of the CREATE TABLE in sql/ext/;
 --   * new configuration tables: pg_extension_config_dump() here as well;
 --   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
+-- Fragments of sql/ext/ that are new in 1.1 as a whole (the outbox,
+-- sql/ext/40_outbox.sql) are not copied here: the Makefile appends them
+-- when it builds the installed script (NEW_IN_VERSION).
 -- Existing claim partitions are ordinary tables, not extension members: if
 -- their shape changes, alter them here as well.
 -- test/tap/040_upgrade.pl installs 1.0 with claims, settings, sealed

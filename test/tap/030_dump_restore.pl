@@ -1,6 +1,8 @@
-# Settings, claims, payload fingerprints and guards survive
+# Settings, claims, payload fingerprints, guards and the outbox survive
 # pg_dump | pg_restore into a fresh database: partitions are data (dumped
-# like user tables), the registry and settings are configuration tables.
+# like user tables, attached beside those CREATE EXTENSION made in the
+# target), the registries, settings and outbox state are configuration
+# tables.
 use strict;
 use warnings;
 
@@ -20,6 +22,25 @@ $node->safe_psql('source', q{
 	CREATE TABLE accounts (id int PRIMARY KEY, balance int, version int);
 	SELECT idem_guard_version('accounts');
 	INSERT INTO accounts VALUES (1, 100, 5);
+	-- outbox: events in the partitions, one emitted past every range (it
+	-- goes into the newest); a delivered, b parked after a
+	-- failure, c delivered; one dead letter in another aggregate type
+	SELECT count(*) FROM idem_outbox_emit_many('order', ARRAY['a', 'a', 'b'],
+	    ARRAY['e', 'e', 'e'], ARRAY['{}', '{}', '{}']::jsonb[]);
+	SET idempotency.debug_clock_offset = '10d';
+	SELECT count(*) FROM idem_outbox_emit('later', 'z', 'e', '{}');
+	RESET idempotency.debug_clock_offset;
+	SELECT count(*) FROM idem_outbox_emit_many('order', ARRAY['a', 'b', 'c'],
+	    ARRAY['e', 'e', 'e'], ARRAY['{}', '{}', '{}']::jsonb[]);
+	CREATE TEMP TABLE claimed AS SELECT * FROM idem_outbox_claim(100, '1 minute', ARRAY['order']);
+	SELECT idem_outbox_ack(array_agg(id)) FROM claimed WHERE aggregate_id IN ('a', 'c');
+	SELECT idem_outbox_nack(id, 'try later', '0 seconds') FROM claimed
+	 WHERE aggregate_id = 'b' AND seq = 1;
+	SELECT count(*) FROM idem_outbox_emit('invoice', 'x', 'e', '{}');
+	SET idempotency.outbox_max_attempts = 1;
+	SELECT count(*) FROM idem_outbox_claim(100, '1 minute', ARRAY['invoice']);
+	SELECT idem_outbox_nack(id, 'poison') FROM idempotency.outbox_events
+	 WHERE aggregate_type = 'invoice';
 });
 
 my $dump = $node->basedir . '/source.dump';
@@ -57,6 +78,33 @@ is($node->safe_psql('target', q{
 	SELECT count(*) FROM (SELECT scope, key FROM idempotency.claims
 	                      GROUP BY 1, 2 HAVING count(*) > 1) d}),
 	'0', 'no key doubled after restore');
+
+# the outbox: every event, in the default and the range partitions; the
+# delivery state and dead letters; seq goes on; the relay finds the rest
+is($node->safe_psql('target', q{
+	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
+	  FROM idempotency.outbox_events}),
+	'a1,a2,a3,b1,b2,c1,x1,z1', 'every outbox event restored');
+is($node->safe_psql('target', q{
+	SELECT count(*) FROM idempotency.outbox_events e JOIN idempotency.outbox_partitions p
+	    ON p.bucket = e.bucket AND p.relid = e.tableoid}),
+	'8', 'every event is in a registered partition (restored beside those CREATE EXTENSION made)');
+is($node->safe_psql('target', q{
+	SELECT string_agg(aggregate_id || ':' || acked_seq, ',' ORDER BY aggregate_id)
+	  FROM idempotency.outbox_deliveries}),
+	'a:3,b:0,c:1,x:0,z:0', 'delivery state restored');
+is($node->safe_psql('target', 'SELECT aggregate_id || seq FROM idempotency.outbox_dead'),
+	'x1', 'dead letters restored');
+is($node->safe_psql('target', q{SELECT seq FROM idem_outbox_emit('order', 'a', 'e', '{}')}),
+	'4', 'seq goes on after restore');
+is($node->safe_psql('target', q{
+	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
+	  FROM idem_outbox_claim(100, '1 minute')}),
+	'a4,b1,b2,z1', 'a relay on the restored database gets what was pending, in order');
+is($node->safe_psql('target', q{
+	SELECT count(*) FROM idempotency.outbox_partitions o
+	 WHERE NOT EXISTS (SELECT FROM pg_class c WHERE c.oid = o.relid)}),
+	'0', 'outbox registry points at the restored partitions');
 
 $node->stop;
 done_testing();

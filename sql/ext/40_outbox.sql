@@ -1,0 +1,249 @@
+-- Transactional outbox: events that commit with the business write.
+--
+-- Events are insert-only rows in time partitions of idempotency.outbox_events
+-- (declarative LIST partitions on "bucket", one random bucket per partition,
+-- so a publication with publish_via_partition_root sees every partition, old
+-- and new, and partitions restored from a dump never clash with those
+-- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
+-- emit counter of an aggregate lives in outbox_sequences, its delivery state
+-- in outbox_deliveries, both narrow tables whose updates touch no indexed
+-- column (HOT).  See src/outbox.c and src/outbox_store.c.
+--
+-- This file is new in 1.1: the upgrade script from 1.0 includes it whole
+-- (see the Makefile), so it must only create objects.
+
+CREATE TABLE idempotency.outbox_events (
+    id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
+    aggregate_type text COLLATE "C" NOT NULL,
+    aggregate_id   text COLLATE "C" NOT NULL,
+    seq            bigint NOT NULL,          -- 1, 2, 3 ... per aggregate
+    event_type     text NOT NULL,
+    payload        jsonb NOT NULL,
+    headers        jsonb NOT NULL,
+    created_at     timestamptz NOT NULL,
+    txid           xid8 NOT NULL,            -- the emitting transaction
+    bucket         integer NOT NULL          -- the partition it went into
+) PARTITION BY LIST (bucket);
+COMMENT ON TABLE idempotency.outbox_events IS
+    'outbox events, insert-only, in time partitions (emit with idem_outbox_emit())';
+
+-- The partitions, as maintenance made them: the time range of the events
+-- each takes (while maintenance lags, the newest also takes later ones).
+-- Every partition has indexes of its own, made with it (none is declared on
+-- the parent, whose indexes pg_restore could not attach dumped ones to).
+CREATE TABLE idempotency.outbox_partitions (
+    relid  regclass    PRIMARY KEY,
+    bucket integer     NOT NULL UNIQUE,
+    lower  timestamptz NOT NULL,
+    upper  timestamptz NOT NULL,
+    CHECK (lower < upper)
+);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_partitions', '');
+
+-- Emitters cache the partition list; changes reach them like the claims'.
+CREATE TRIGGER outbox_partitions_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.outbox_partitions
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partitions_changed;
+
+-- Per aggregate: the seq of its newest event.  Emitters update it (and hold
+-- its row lock to commit: that is what makes seq gap-free and in commit
+-- order).
+CREATE TABLE idempotency.outbox_sequences (
+    aggregate_type text COLLATE "C" NOT NULL,
+    aggregate_id   text COLLATE "C" NOT NULL,
+    last_seq       bigint NOT NULL,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+) WITH (fillfactor = 50);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
+
+-- Per aggregate: how far delivery got, and who holds it.  Relays update it;
+-- only a change of retry_at (parking after a failure, unparking) is not HOT.
+CREATE TABLE idempotency.outbox_deliveries (
+    aggregate_type text COLLATE "C" NOT NULL,
+    aggregate_id   text COLLATE "C" NOT NULL,
+    acked_seq      bigint NOT NULL DEFAULT 0,   -- delivered up to here
+    leased_seq     bigint,                      -- handed out up to here under the lease
+    lease_token    uuid,
+    lease_until    timestamptz,
+    attempts       integer NOT NULL DEFAULT 0,  -- hand-outs of the head since it last moved
+    retry_at       timestamptz,                 -- parked: found by this, not by the cursor
+    dead_seq       bigint,                      -- the head is dead-lettered
+    last_error     text,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+) WITH (fillfactor = 50);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
+CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
+    WHERE retry_at IS NOT NULL;
+
+-- Every event before (position, event_id) is delivered, or
+-- belongs to a parked aggregate: relays scan from here.  A lower bound only;
+-- written at most about once a second per relay.  Not dumped: transaction
+-- ids mean nothing in another cluster, so a restore starts from 0.
+CREATE TABLE idempotency.outbox_cursor (
+    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    position  xid8 NOT NULL,                    -- an emitting transaction ...
+    event_id  uuid NOT NULL                     -- ... and an event id in it
+);
+INSERT INTO idempotency.outbox_cursor (position, event_id)
+VALUES ('0', '00000000-0000-0000-0000-000000000000');
+
+-- Dead-lettered events (a copy of each), until redriven or discarded.
+CREATE TABLE idempotency.outbox_dead_letters (
+    id             uuid PRIMARY KEY,
+    aggregate_type text COLLATE "C" NOT NULL,
+    aggregate_id   text COLLATE "C" NOT NULL,
+    seq            bigint NOT NULL,
+    event_type     text NOT NULL,
+    payload        jsonb NOT NULL,
+    headers        jsonb NOT NULL,
+    created_at     timestamptz NOT NULL,
+    attempts       integer NOT NULL,
+    last_error     text,
+    dead_at        timestamptz NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_dead_letters', '');
+CREATE INDEX outbox_dead_letters_aggregate
+    ON idempotency.outbox_dead_letters (aggregate_type, aggregate_id, seq);
+
+CREATE VIEW idempotency.outbox_dead AS
+SELECT id, aggregate_type, aggregate_id, seq, event_type, payload, headers,
+       created_at, attempts, last_error, dead_at
+FROM idempotency.outbox_dead_letters;
+COMMENT ON VIEW idempotency.outbox_dead IS
+    'dead-lettered outbox events (idem_outbox_redrive() puts them back, idem_outbox_discard() drops them)';
+
+CREATE TYPE idem_outbox_event AS (
+    id             uuid,
+    aggregate_type text,
+    aggregate_id   text,
+    seq            bigint,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz,
+    attempts       integer,
+    lease_token    uuid,
+    lease_until    timestamptz
+);
+
+CREATE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
+                                 payload jsonb, headers jsonb DEFAULT '{}')
+    RETURNS idem_outbox_event
+    AS 'MODULE_PATHNAME', 'idem_outbox_emit' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_emit_many(aggregate_type text, aggregate_ids text[],
+                                      event_types text[], payloads jsonb[],
+                                      headers jsonb[] DEFAULT NULL)
+    RETURNS SETOF idem_outbox_event
+    AS 'MODULE_PATHNAME', 'idem_outbox_emit_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
+                                  aggregate_types text[] DEFAULT NULL)
+    RETURNS SETOF idem_outbox_event
+    AS 'MODULE_PATHNAME', 'idem_outbox_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_ack(ids uuid[], lease_token uuid DEFAULT NULL)
+    RETURNS integer
+    AS 'MODULE_PATHNAME', 'idem_outbox_ack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_nack(id uuid, error text, retry_after interval DEFAULT NULL,
+                                 lease_token uuid DEFAULT NULL)
+    RETURNS void
+    AS 'MODULE_PATHNAME', 'idem_outbox_nack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_extend(lease_token uuid, lease interval)
+    RETURNS integer
+    AS 'MODULE_PATHNAME', 'idem_outbox_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_redrive(ids uuid[])
+    RETURNS integer
+    AS 'MODULE_PATHNAME', 'idem_outbox_redrive' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_discard(ids uuid[])
+    RETURNS integer
+    AS 'MODULE_PATHNAME', 'idem_outbox_discard' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idem_outbox_emit(text, text, text, jsonb, jsonb) IS
+    'write an event in the calling transaction; seq is the next number of its aggregate';
+COMMENT ON FUNCTION idem_outbox_emit_many(text, text[], text[], jsonb[], jsonb[]) IS
+    'emit a batch of events in array order';
+COMMENT ON FUNCTION idem_outbox_claim(integer, interval, text[]) IS
+    'lease aggregates and return their runs of undelivered events, in seq order';
+COMMENT ON FUNCTION idem_outbox_ack(uuid[], uuid) IS
+    'mark events delivered (nothing, for an aggregate whose lease the token no longer holds)';
+COMMENT ON FUNCTION idem_outbox_nack(uuid, text, interval, uuid) IS
+    'record a failed delivery; the aggregate is retried after retry_after or a backoff';
+COMMENT ON FUNCTION idem_outbox_extend(uuid, interval) IS
+    'prolong a live lease; returns how many events it covers';
+COMMENT ON FUNCTION idem_outbox_redrive(uuid[]) IS
+    'put dead-lettered events back in place, order intact';
+COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
+    'drop dead-lettered events for good';
+
+-- True if a partition holds an undelivered or dead-lettered event, so
+-- maintenance must keep it.  May scan the partition: maintenance asks it
+-- only of partitions past their retention.
+CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
+    RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    pinned boolean;
+BEGIN
+    EXECUTE format(
+        'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
+        '                 ON e.aggregate_type = x.aggregate_type'
+        '                AND e.aggregate_id = x.aggregate_id AND e.seq = x.seq)'
+        '    OR EXISTS (SELECT 1 FROM %1$s e'
+        '               LEFT JOIN idempotency.outbox_deliveries d'
+        '                 ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id'
+        '               WHERE e.seq > coalesce(d.acked_seq, 0))', part)
+        INTO pinned;
+    RETURN pinned;
+END
+$$;
+COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
+    'true if an outbox partition holds an undelivered or dead-lettered event';
+
+-- The partitions view lists outbox partitions too (column "store").  States
+-- of an outbox partition: future, current, sealed (its range has passed;
+-- kept for the retention), pinned (past its retention, but it holds an
+-- undelivered or dead-lettered event), expired (dropped by the next round
+-- that can lock it).
+CREATE OR REPLACE VIEW idempotency.partitions AS
+SELECT r.relid AS partition,
+       r.lower,
+       r.upper,
+       CASE
+           WHEN r.sealed AND (r.nkeys = 0
+                 OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
+           WHEN r.sealed THEN 'sealed'
+           WHEN r.lower > now() THEN 'future'
+           WHEN now() < r.upper THEN 'current'
+           ELSE 'sealing'
+       END AS state,
+       r.nkeys AS claims,
+       r.max_claimed_at AS newest_claim,
+       r.bloom IS NOT NULL AS has_bloom_filter,
+       pg_catalog.pg_total_relation_size(r.relid) AS bytes,
+       'claims'::text AS store
+FROM idempotency.partition_registry r
+CROSS JOIN idempotency.current_settings() s
+UNION ALL
+SELECT o.relid, o.lower, o.upper,
+       CASE
+           WHEN o.lower > now() THEN 'future'
+           WHEN now() < o.upper THEN 'current'
+           WHEN o.upper > now() - s.retention THEN 'sealed'
+           WHEN idempotency.outbox_partition_pinned(o.relid) THEN 'pinned'
+           ELSE 'expired'
+       END,
+       NULL, NULL, false,
+       pg_catalog.pg_total_relation_size(o.relid),
+       'outbox'
+FROM idempotency.outbox_partitions o
+CROSS JOIN idempotency.current_settings() s;
+COMMENT ON VIEW idempotency.partitions IS
+    'time partitions of idempotency.claims and idempotency.outbox_events with range, state and size';

@@ -1,0 +1,2289 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox.c
+ *	  The transactional outbox: idem_outbox_emit() writes an event in the
+ *	  caller's transaction; relays lease aggregates with idem_outbox_claim()
+ *	  and settle them with ack, nack, extend, redrive and discard.
+ *
+ * Storage (sql/ext/40_outbox.sql): events are insert-only rows in time
+ * partitions of idempotency.outbox_events; what changes lives apart, in two
+ * narrow tables whose updates leave every index alone (HOT):
+ *	- outbox_sequences: per aggregate, the seq of its newest event.  An emit
+ *	  increments it with INSERT ... ON CONFLICT DO UPDATE and so holds its
+ *	  row lock to commit: emits to one aggregate serialise, seq follows
+ *	  commit order, and a rollback takes its number back (no gaps).
+ *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
+ *	  the lease, attempts of the head event, and retry_at.
+ *
+ * Finding work.  Relays find pending aggregates in two ways:
+ *	- the cursor: events are scanned in order of their emitting transaction
+ *	  (txid) from idempotency.outbox_cursor.  The cursor may only pass an
+ *	  event that is delivered or belongs to a parked aggregate, and never
+ *	  passes the xmin of a snapshot taken before the scan: every transaction
+ *	  below that has ended, so no event can appear behind the cursor later.
+ *	  A cursor value stays valid forever (acked_seq only grows; a parked
+ *	  aggregate stays parked until it has nothing pending), so each relay
+ *	  keeps one in memory and writes it back about once a second.
+ *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
+ *	  was redriven has retry_at set and is found through the partial index
+ *	  on retry_at instead, until it has nothing pending.  Unparking reads
+ *	  the newest seq under FOR SHARE, so it waits for an emit in flight and
+ *	  never leaves a new event behind the cursor.
+ *
+ * Locking rules:
+ *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
+ *	  takes those rows in sorted order before writing anything, so two
+ *	  batches never wait on each other in a cycle.
+ *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
+ *	  never waits for another relay; an aggregate locked by one is left to
+ *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
+ *	  order.  Relays never lock outbox_sequences except to unpark (FOR
+ *	  SHARE, after their deliveries row), and emitters never lock
+ *	  outbox_deliveries, so emitters and relays never deadlock.
+ *	- the cursor row is written with SKIP LOCKED: a busy row means another
+ *	  relay is moving it.
+ *
+ * Claims should run in READ COMMITTED: FOR UPDATE of a row that another
+ * relay changed after a REPEATABLE READ snapshot is a serialization
+ * failure.
+ *
+ * All SQL runs through plans prepared once per backend with search_path
+ * pinned to pg_catalog, on schema-qualified names, with the caller's
+ * privileges.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idempotency.h"
+
+#include "access/transam.h"
+#include "access/xact.h"
+#include "catalog/pg_type.h"
+#include "commands/async.h"
+#include "common/hashfn.h"
+#include "common/pg_prng.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "replication/message.h"
+#include "storage/itemptr.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/json.h"
+#include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+#include "utils/uuid.h"
+#include "utils/xid8.h"
+
+PG_FUNCTION_INFO_V1(idem_outbox_emit);
+PG_FUNCTION_INFO_V1(idem_outbox_emit_many);
+PG_FUNCTION_INFO_V1(idem_outbox_claim);
+PG_FUNCTION_INFO_V1(idem_outbox_ack);
+PG_FUNCTION_INFO_V1(idem_outbox_nack);
+PG_FUNCTION_INFO_V1(idem_outbox_extend);
+PG_FUNCTION_INFO_V1(idem_outbox_redrive);
+PG_FUNCTION_INFO_V1(idem_outbox_discard);
+
+/* prefix of the logical decoding messages of outbox_mode 'wal' and 'both' */
+#define OUTBOX_MESSAGE_PREFIX	"idempotency.outbox"
+#define OUTBOX_NOTIFY_CHANNEL	"idempotency_outbox"
+
+/* longest names stored as they are */
+#define OUTBOX_MAX_TYPE_BYTES	IDEM_MAX_SCOPE_BYTES
+#define OUTBOX_MAX_EVENT_TYPE_BYTES	255
+
+/* most events one claim hands out */
+#define OUTBOX_MAX_BATCH		10000
+
+/* backoff after a failure: 1 s, doubling, at most an hour */
+#define OUTBOX_BACKOFF_FIRST_USECS	USECS_PER_SEC
+#define OUTBOX_BACKOFF_MAX_USECS	(USECS_PER_SEC * SECS_PER_HOUR)
+
+/* rows a claim reads from its cursor at a time */
+#define OUTBOX_SCAN_CHUNK		256
+
+/* aggregates a claim locks at first, before it knows how long runs are */
+#define OUTBOX_LEASE_GROUP		8
+
+/* how often a relay writes its cursor back */
+#define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
+
+/*---- settings ----*/
+
+typedef enum
+{
+	DEAD_BLOCK,
+	DEAD_SKIP
+} OutboxDeadPolicy;
+
+typedef enum
+{
+	NOTIFY_COMMIT,
+	NOTIFY_OFF
+} OutboxNotify;
+
+typedef enum
+{
+	MODE_TABLE,
+	MODE_WAL,
+	MODE_BOTH
+} OutboxMode;
+
+static const struct config_enum_entry dead_policy_options[] = {
+	{"block", DEAD_BLOCK, false},
+	{"skip", DEAD_SKIP, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry notify_options[] = {
+	{"commit", NOTIFY_COMMIT, false},
+	{"off", NOTIFY_OFF, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry mode_options[] = {
+	{"table", MODE_TABLE, false},
+	{"wal", MODE_WAL, false},
+	{"both", MODE_BOTH, false},
+	{NULL, 0, false}
+};
+
+static int	outbox_max_attempts = 10;
+static int	outbox_dead_policy = DEAD_BLOCK;
+static int	outbox_notify = NOTIFY_COMMIT;
+static int	outbox_mode = MODE_TABLE;
+
+void
+idem_outbox_init(void)
+{
+	idem_outbox_store_init();
+	DefineCustomIntVariable("idempotency.outbox_max_attempts",
+							"Failed attempts after which an outbox event is dead-lettered.",
+							NULL,
+							&outbox_max_attempts,
+							10, 1, 1000,
+							PGC_USERSET, 0,
+							NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_dead_policy",
+							 "What a dead-lettered event does to the rest of its aggregate: block or skip.",
+							 NULL,
+							 &outbox_dead_policy,
+							 DEAD_BLOCK, dead_policy_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_notify",
+							 "Whether emitting transactions send NOTIFY idempotency_outbox at commit: commit or off.",
+							 NULL,
+							 &outbox_notify,
+							 NOTIFY_COMMIT, notify_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_mode",
+							 "Where emitted events go: table, wal (logical decoding messages only) or both.",
+							 NULL,
+							 &outbox_mode,
+							 MODE_TABLE, mode_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+}
+
+/*---- statements ----*/
+
+/*
+ * Locked deliveries rows, as read_deliveries() expects them: FROM one of
+ * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
+ * (an index probe per key, in key order, whatever the statistics say), and
+ * bring the newest seq of each aggregate along.
+ */
+#define DELIVERY_COLUMNS \
+	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
+	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error," \
+	" coalesce(s.last_seq, 0), d.row_ctid"
+#define DELIVERY_JOIN_SEQUENCES \
+	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
+	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id) s ON true"
+/* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
+#define DELIVERIES_BY_KEYS(cond, lock) \
+	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
+	"       ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\") k" \
+	" CROSS JOIN LATERAL (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
+	"   " lock ") d" DELIVERY_JOIN_SEQUENCES
+/* the rows that meet cond, in retry_at order, at most $2, skipping locked ones */
+#define DELIVERIES_PARKED(cond) \
+	" FROM (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE " cond \
+	"     AND (d.lease_until IS NULL OR d.lease_until <= $1)" \
+	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
+	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
+/*
+ * An aggregate's deliveries row is made by the emit that starts it (seq 1),
+ * in the emitter's transaction: relays never insert rows that another relay
+ * could be inserting too (they would wait on each other's transactions).
+ */
+#define NEW_DELIVERY_ROW(select) \
+	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
+	" ON CONFLICT DO NOTHING"
+
+#define NEXT_SEQ \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1" \
+	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
+	" RETURNING last_seq"
+
+#define EVENT_COLUMNS \
+	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
+
+typedef enum
+{
+	ST_EMIT_NEXT,
+	ST_EMIT_NEXT_SEQ,
+	ST_EMIT,
+	ST_EMIT_SEQ,
+	ST_RESERVE,
+	ST_INSERT_MANY,
+	ST_CURSOR_READ,
+	ST_CURSOR_WRITE,
+	ST_SCAN,
+	ST_ENSURE_DELIVERIES,
+	ST_LOCK_CANDIDATES,
+	ST_PARKED_DUE,
+	ST_PARKED_DEAD,
+	ST_RUN,
+	ST_SET_STATE,
+	ST_UNPARK,
+	ST_DEAD_LETTER,
+	ST_FIND_EVENTS,
+	ST_LOCK_DELIVERIES,
+	ST_EXTEND,
+	ST_FIND_DEAD,
+	ST_DELETE_DEAD,
+	NUM_STATEMENTS
+} OutboxStatement;
+
+typedef struct OutboxPlan
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[10];
+} OutboxPlan;
+
+static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
+	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
+	[ST_EMIT_NEXT] = {
+		"WITH s AS (" NEXT_SEQ ")"
+		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
+		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
+		" RETURNING seq",
+		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
+	},
+	[ST_EMIT_NEXT_SEQ] = {
+		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
+	},
+	/* otherwise (none updated): make the counter, or take it over from a racer */
+	[ST_EMIT] = {
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
+		" VALUES ($1, $2, 1)"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
+		" RETURNING q.last_seq), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
+		" INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
+		" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
+		" RETURNING seq",
+		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
+	},
+	[ST_EMIT_SEQ] = {
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
+		" VALUES ($1, $2, 1)"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
+		" RETURNING q.last_seq), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
+		" SELECT last_seq FROM s",
+		2, {TEXTOID, TEXTOID}
+	},
+	/* counts per aggregate, in the (sorted) order given: that is lock order */
+	[ST_RESERVE] = {
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
+		" SELECT $1, u.id, u.n"
+		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
+		" ORDER BY u.ord"
+		" ON CONFLICT (aggregate_type, aggregate_id)"
+		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq"
+		" RETURNING q.aggregate_id, q.last_seq), "
+		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
+								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
+								   " ORDER BY 2") ")"
+		" SELECT aggregate_id, last_seq FROM s",
+		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
+	},
+	[ST_INSERT_MANY] = {
+		"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
+		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, u.at, $8, $10"
+		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[],"
+		"             $7::timestamptz[])"
+		"   AS u(id, aid, seq, et, p, h, at)",
+		10, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
+			TIMESTAMPTZARRAYOID, XID8OID, JSONBARRAYOID, INT4OID}
+	},
+	[ST_CURSOR_READ] = {
+		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
+	},
+	[ST_CURSOR_WRITE] = {
+		"UPDATE idempotency.outbox_cursor SET position = $1, event_id = $2"
+		" WHERE ctid IN (SELECT ctid FROM idempotency.outbox_cursor"
+		"                WHERE (position, event_id) < ($1, $2) FOR UPDATE SKIP LOCKED)",
+		2, {XID8OID, UUIDOID}
+	},
+	[ST_SCAN] = {
+		"SELECT e.txid, e.aggregate_type, e.aggregate_id, e.seq, e.id, e.event_type,"
+		"       e.payload, e.headers, e.created_at, d.acked_seq, d.lease_until, d.retry_at"
+		" FROM idempotency.outbox_events e"
+		" LEFT JOIN idempotency.outbox_deliveries d"
+		"   ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
+		" WHERE (e.txid, e.id) >= ($1, $2)"
+		" ORDER BY e.txid, e.id",
+		2, {XID8OID, UUIDOID}
+	},
+	[ST_ENSURE_DELIVERIES] = {
+		"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)"
+		" SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)"
+		" ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\""
+		" ON CONFLICT DO NOTHING",
+		2, {TEXTARRAYOID, TEXTARRAYOID}
+	},
+	[ST_LOCK_CANDIDATES] = {
+		DELIVERY_COLUMNS
+		DELIVERIES_BY_KEYS(" AND d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)",
+						   "FOR UPDATE SKIP LOCKED"),
+		3, {TEXTARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID}
+	},
+	[ST_PARKED_DUE] = {
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at <= $1"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[ST_PARKED_DEAD] = {
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at = 'infinity' AND d.dead_seq IS NOT NULL"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[ST_RUN] = {
+		"SELECT id, event_type, payload, headers, created_at, seq FROM idempotency.outbox_events"
+		" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\" AND seq > $3"
+		" ORDER BY seq LIMIT $4",
+		4, {TEXTOID, TEXTOID, INT8OID, INT4OID}
+	},
+	/* rows this transaction holds locked: found by ctid */
+	[ST_SET_STATE] = {
+		"UPDATE idempotency.outbox_deliveries d"
+		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
+		"     lease_until = u.until, attempts = u.attempts, retry_at = u.retry,"
+		"     dead_seq = u.dead, last_error = u.err"
+		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
+		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[])"
+		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err)"
+		" WHERE d.ctid = u.row_ctid",
+		9, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
+			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
+	},
+	/* FOR SHARE: wait for an emit in flight, and see its seq */
+	[ST_UNPARK] = {
+		"UPDATE idempotency.outbox_deliveries d SET retry_at = NULL"
+		" WHERE d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
+		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL"
+		"   AND d.acked_seq >= coalesce((SELECT s.last_seq FROM idempotency.outbox_sequences s"
+		"                                WHERE s.aggregate_type = d.aggregate_type"
+		"                                  AND s.aggregate_id = d.aggregate_id FOR SHARE), 0)",
+		2, {TEXTOID, TEXTOID}
+	},
+	[ST_DEAD_LETTER] = {
+		"INSERT INTO idempotency.outbox_dead_letters"
+		" (id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at,"
+		"  attempts, last_error, dead_at)"
+		" SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, e.payload,"
+		"        e.headers, e.created_at, $4, $5, $6"
+		" FROM idempotency.outbox_events e"
+		" WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\" AND e.seq = $3"
+		" ON CONFLICT (id) DO NOTHING",
+		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
+	},
+	/* the ids say their partition and transaction: one (txid, id) probe each */
+	[ST_FIND_EVENTS] = {
+		"SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		" FROM unnest($1::xid8[], $2::uuid[]) AS k(t, i)"
+		" CROSS JOIN LATERAL (SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		"   FROM idempotency.outbox_events e"
+		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i) e",
+		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
+	},
+	[ST_LOCK_DELIVERIES] = {
+		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("", "FOR UPDATE"),
+		2, {TEXTARRAYOID, TEXTARRAYOID}
+	},
+	/* no index on lease_token (it would make every claim a non-HOT update) */
+	[ST_EXTEND] = {
+		"UPDATE idempotency.outbox_deliveries SET lease_until = $2"
+		" WHERE lease_token = $1 AND lease_until > $3"
+		" RETURNING leased_seq - acked_seq",
+		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
+	[ST_FIND_DEAD] = {
+		"SELECT x.id, x.aggregate_type, x.aggregate_id, x.seq"
+		" FROM idempotency.outbox_dead_letters x WHERE x.id = ANY ($1)"
+		" ORDER BY 2, 3, 4 FOR UPDATE",
+		1, {UUIDARRAYOID}
+	},
+	[ST_DELETE_DEAD] = {
+		"DELETE FROM idempotency.outbox_dead_letters WHERE id = ANY ($1)",
+		1, {UUIDARRAYOID}
+	},
+};
+
+static SPIPlanPtr prepared[NUM_STATEMENTS];
+
+/* The plan of a statement, prepared on first use with search_path pinned. */
+static SPIPlanPtr
+outbox_plan(OutboxStatement st)
+{
+	if (prepared[st] == NULL)
+	{
+		int			nestlevel = idem_pin_search_path();
+		SPIPlanPtr	plan;
+
+		plan = SPI_prepare(outbox_plans[st].sql, outbox_plans[st].nargs,
+						   (Oid *) outbox_plans[st].argtypes);
+		if (plan == NULL)
+			elog(ERROR, "SPI_prepare failed (%s): %s",
+				 SPI_result_code_string(SPI_result), outbox_plans[st].sql);
+		AtEOXact_GUC(true, nestlevel);
+		SPI_keepplan(plan);
+		prepared[st] = plan;
+	}
+	return prepared[st];
+}
+
+/* Run a statement; nulls as SPI wants them (' ' or 'n'), NULL for none. */
+static uint64
+outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
+{
+	int			rc = SPI_execute_plan(outbox_plan(st), values, nulls, false, 0);
+
+	if (rc != expected)
+		elog(ERROR, "SPI_execute_plan failed (%s): %s",
+			 SPI_result_code_string(rc), outbox_plans[st].sql);
+	return SPI_processed;
+}
+
+static Datum
+spi_col(uint64 row, int col, bool *isnull)
+{
+	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
+}
+
+/*---- ids and tokens ----*/
+
+/*
+ * An event's id: a UUIDv7 (RFC 9562) that says where the event is.  48 bits
+ * of Unix milliseconds, the microseconds within that millisecond in the 12
+ * bits of rand_a (its "increased clock precision" use); after the variant,
+ * 62 bits: the partition's 24-bit bucket, the low 32 bits of the emitting
+ * transaction id and 6 random bits.  So an ack finds an event with one
+ * probe of one partition's (txid, id) index, ids sort by time, and ids are
+ * unique: a transaction's events are emitted by one backend, whose
+ * timestamps never repeat (see event_time()).
+ */
+static void
+outbox_event_id(TimestampTz ts, int32 bucket, FullTransactionId txid, pg_uuid_t *id)
+{
+	int64		unix_us = ts + (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	uint64		ms = (uint64) (unix_us / 1000);
+	uint32		sub = (uint32) (unix_us % 1000);
+	uint64		low = ((uint64) (bucket & 0xFFFFFF) << 38)
+		| ((uint64) XidFromFullTransactionId(txid) << 6)
+		| (pg_prng_uint32(&pg_global_prng_state) & 0x3F);
+
+	for (int i = 0; i < 6; i++)
+		id->data[i] = (uint8) (ms >> (8 * (5 - i)));
+	id->data[6] = (uint8) (0x70 | ((sub >> 8) & 0x0F));
+	id->data[7] = (uint8) (sub & 0xFF);
+	id->data[8] = (uint8) (0x80 | ((low >> 56) & 0x3F));
+	for (int i = 9; i < 16; i++)
+		id->data[i] = (uint8) (low >> (8 * (15 - i)));
+}
+
+/*
+ * What an event id says: created_at, the bucket and the emitting
+ * transaction (its epoch taken as the latest that makes it not newer than
+ * the next transaction id; events live far less than 2^31 transactions).
+ * False if it is not an event id.
+ */
+bool
+idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
+					 FullTransactionId *txid)
+{
+	uint64		ms = 0;
+	uint64		low = 0;
+	uint32		sub;
+
+	if ((id->data[6] & 0xF0) != 0x70 || (id->data[8] & 0xC0) != 0x80)
+		return false;
+	for (int i = 0; i < 6; i++)
+		ms = (ms << 8) | id->data[i];
+	sub = ((uint32) (id->data[6] & 0x0F) << 8) | id->data[7];
+	if (sub >= 1000)
+		return false;
+	if (ts != NULL)
+		*ts = (TimestampTz) (ms * 1000 + sub)
+			- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
+	low = id->data[8] & 0x3F;
+	for (int i = 9; i < 16; i++)
+		low = (low << 8) | id->data[i];
+	if (bucket != NULL)
+		*bucket = (int32) (low >> 38);
+	if (txid != NULL)
+	{
+		TransactionId xid = (TransactionId) ((low >> 6) & 0xFFFFFFFF);
+		FullTransactionId next = ReadNextFullTransactionId();
+		uint32		epoch = EpochFromFullTransactionId(next);
+
+		if (xid >= XidFromFullTransactionId(next) && epoch > 0)
+			epoch--;
+		*txid = FullTransactionIdFromEpochAndXid(epoch, xid);
+	}
+	return true;
+}
+
+/*
+ * The time of an event emitted now by transaction txid: the extension's
+ * clock, but within one transaction never the same microsecond twice (so
+ * its ids are unique: see outbox_event_id()) and never back.
+ */
+static TimestampTz
+event_time(FullTransactionId txid)
+{
+	static FullTransactionId last_txid = {0};
+	static TimestampTz last = 0;
+	TimestampTz now = idem_now();
+
+	if (!FullTransactionIdEquals(txid, last_txid))
+	{
+		last_txid = txid;
+		last = now;
+		return now;
+	}
+	last = now > last ? now : last + 1;
+	return last;
+}
+
+/* a random (version 4) lease token */
+static void
+outbox_token(pg_uuid_t *token)
+{
+	uint64		a = pg_prng_uint64(&pg_global_prng_state);
+	uint64		b = pg_prng_uint64(&pg_global_prng_state);
+
+	memcpy(token->data, &a, 8);
+	memcpy(token->data + 8, &b, 8);
+	token->data[6] = (token->data[6] & 0x0F) | 0x40;
+	token->data[8] = (token->data[8] & 0x3F) | 0x80;
+}
+
+/*---- argument checks ----*/
+
+static void
+null_argument(const char *what)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+			 errmsg("%s must not be null", what)));
+}
+
+/* a name: not NULL, not empty, at most maxbytes */
+static char *
+check_name(text *t, const char *what, int maxbytes)
+{
+	int			len = VARSIZE_ANY_EXHDR(t);
+
+	if (len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not be empty", what)));
+	if (len > maxbytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+				 errmsg("%s is too long", what),
+				 errdetail("It is %d bytes long; the limit is %d bytes.", len, maxbytes)));
+	return text_to_cstring(t);
+}
+
+static char *
+name_arg(FunctionCallInfo fcinfo, int argno, const char *what, int maxbytes)
+{
+	if (PG_ARGISNULL(argno))
+		null_argument(what);
+	return check_name(PG_GETARG_TEXT_PP(argno), what, maxbytes);
+}
+
+static Jsonb *
+check_headers(Jsonb *headers)
+{
+	if (!JB_ROOT_IS_OBJECT(headers) || JB_ROOT_IS_SCALAR(headers))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("outbox event headers must be a JSON object")));
+	return headers;
+}
+
+static Jsonb *
+empty_headers(void)
+{
+	return DatumGetJsonbP(DirectFunctionCall1(jsonb_in, CStringGetDatum("{}")));
+}
+
+/* an interval as microseconds, months counting as 30 days */
+static int64
+interval_usecs(Interval *iv)
+{
+	return iv->time + ((int64) iv->month * DAYS_PER_MONTH + iv->day) * USECS_PER_DAY;
+}
+
+static int64
+positive_interval_arg(FunctionCallInfo fcinfo, int argno, const char *what)
+{
+	int64		usecs;
+
+	if (PG_ARGISNULL(argno))
+		null_argument(what);
+	usecs = interval_usecs(PG_GETARG_INTERVAL_P(argno));
+	if (usecs <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", what)));
+	return usecs;
+}
+
+/* the non-NULL elements of a one-dimensional array argument */
+static int
+array_arg(FunctionCallInfo fcinfo, int argno, const char *what, Oid elemtype,
+		  Datum **elems)
+{
+	ArrayType  *arr;
+	bool	   *nulls;
+	int			n;
+	int16		typlen;
+	bool		typbyval;
+	char		typalign;
+
+	if (PG_ARGISNULL(argno))
+		null_argument(what);
+	arr = PG_GETARG_ARRAYTYPE_P(argno);
+	if (ARR_NDIM(arr) > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be a one-dimensional array", what)));
+	get_typlenbyvalalign(elemtype, &typlen, &typbyval, &typalign);
+	deconstruct_array(arr, elemtype, typlen, typbyval, typalign, elems, &nulls, &n);
+	for (int i = 0; i < n; i++)
+		if (nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("%s must not contain nulls", what)));
+	return n;
+}
+
+static Datum
+build_array(Datum *elems, bool *nulls, int n, Oid elemtype)
+{
+	int			dims[1] = {n};
+	int			lbs[1] = {1};
+	int16		typlen;
+	bool		typbyval;
+	char		typalign;
+
+	get_typlenbyvalalign(elemtype, &typlen, &typbyval, &typalign);
+	return PointerGetDatum(construct_md_array(elems, nulls, 1, dims, lbs, elemtype,
+											  typlen, typbyval, typalign));
+}
+
+/*---- emitting ----*/
+
+/* what an emit hands the caller and logical decoding */
+typedef struct OutboxEvent
+{
+	pg_uuid_t	id;
+	const char *aggregate_type;
+	const char *aggregate_id;
+	int64		seq;
+	const char *event_type;
+	Jsonb	   *payload;
+	Jsonb	   *headers;
+	TimestampTz created_at;
+} OutboxEvent;
+
+static void
+append_json_string(StringInfo buf, const char *key, const char *value, bool comma)
+{
+	if (comma)
+		appendStringInfoChar(buf, ',');
+	escape_json(buf, key);
+	appendStringInfoChar(buf, ':');
+	escape_json(buf, value);
+}
+
+/* The event as a JSON object: the content of its logical decoding message. */
+static char *
+event_json(const OutboxEvent *ev)
+{
+	StringInfoData buf;
+
+	initStringInfo(&buf);
+	appendStringInfoChar(&buf, '{');
+	append_json_string(&buf, "id",
+					   DatumGetCString(DirectFunctionCall1(uuid_out, UUIDPGetDatum(&ev->id))),
+					   false);
+	append_json_string(&buf, "aggregate_type", ev->aggregate_type, true);
+	append_json_string(&buf, "aggregate_id", ev->aggregate_id, true);
+	appendStringInfo(&buf, ",\"seq\":" INT64_FORMAT, ev->seq);
+	append_json_string(&buf, "event_type", ev->event_type, true);
+	appendStringInfoString(&buf, ",\"payload\":");
+	appendStringInfoString(&buf, JsonbToCString(NULL, &ev->payload->root, VARSIZE(ev->payload)));
+	appendStringInfoString(&buf, ",\"headers\":");
+	appendStringInfoString(&buf, JsonbToCString(NULL, &ev->headers->root, VARSIZE(ev->headers)));
+	appendStringInfoString(&buf, ",\"created_at\":");
+	escape_json(&buf, DatumGetCString(DirectFunctionCall1(timestamptz_out,
+														  TimestampTzGetDatum(ev->created_at))));
+	appendStringInfoChar(&buf, '}');
+	return buf.data;
+}
+
+/* What every emitted event sends besides its row: a message, a wake-up. */
+static void
+announce_event(const OutboxEvent *ev)
+{
+	if (outbox_mode != MODE_TABLE)
+	{
+		char	   *json = event_json(ev);
+
+		(void) LogLogicalMessage(OUTBOX_MESSAGE_PREFIX, json, strlen(json), true);
+		pfree(json);
+	}
+	/* identical notifications of one transaction are sent once */
+	if (outbox_notify == NOTIFY_COMMIT)
+		Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+}
+
+/* The columns of idem_outbox_event for one event. */
+static void
+event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
+			 TimestampTz until, Datum *values, bool *nulls)
+{
+	memset(nulls, 0, sizeof(bool) * 11);
+	values[0] = UUIDPGetDatum(&ev->id);
+	values[1] = CStringGetTextDatum(ev->aggregate_type);
+	values[2] = CStringGetTextDatum(ev->aggregate_id);
+	values[3] = Int64GetDatum(ev->seq);
+	values[4] = CStringGetTextDatum(ev->event_type);
+	values[5] = JsonbPGetDatum(ev->payload);
+	values[6] = JsonbPGetDatum(ev->headers);
+	values[7] = TimestampTzGetDatum(ev->created_at);
+	values[8] = Int32GetDatum(attempts);
+	if (token != NULL)
+	{
+		values[9] = UUIDPGetDatum(token);
+		values[10] = TimestampTzGetDatum(until);
+	}
+	else
+		nulls[9] = nulls[10] = true;
+}
+
+static TupleDesc
+event_tupdesc(FunctionCallInfo fcinfo)
+{
+	TupleDesc	desc;
+
+	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("function returning record called in context that cannot accept type record")));
+	return BlessTupleDesc(desc);
+}
+
+/* The emitting transaction, as stored with each event. */
+static FullTransactionId
+emitting_transaction(void)
+{
+	return GetTopFullTransactionId();
+}
+
+Datum
+idem_outbox_emit(PG_FUNCTION_ARGS)
+{
+	OutboxEvent ev;
+	TupleDesc	desc = event_tupdesc(fcinfo);
+	Datum		values[9];
+	uint64		n;
+	int32		bucket;
+	FullTransactionId txid;
+
+	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
+	ev.aggregate_id = name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
+	ev.event_type = name_arg(fcinfo, 2, "event_type", OUTBOX_MAX_EVENT_TYPE_BYTES);
+	if (PG_ARGISNULL(3))
+		null_argument("payload");
+	ev.payload = PG_GETARG_JSONB_P(3);
+	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
+	txid = emitting_transaction();
+	ev.created_at = event_time(txid);
+
+	SPI_connect();
+	bucket = idem_outbox_target_bucket(ev.created_at);
+	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
+	values[0] = CStringGetTextDatum(ev.aggregate_type);
+	values[1] = CStringGetTextDatum(ev.aggregate_id);
+	if (outbox_mode == MODE_WAL)
+	{
+		n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+	}
+	else
+	{
+		values[2] = UUIDPGetDatum(&ev.id);
+		values[3] = CStringGetTextDatum(ev.event_type);
+		values[4] = JsonbPGetDatum(ev.payload);
+		values[5] = JsonbPGetDatum(ev.headers);
+		values[6] = TimestampTzGetDatum(ev.created_at);
+		values[7] = FullTransactionIdGetDatum(txid);
+		values[8] = Int32GetDatum(bucket);
+		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_INSERT_RETURNING);
+		if (n == 0)
+			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_INSERT_RETURNING);
+	}
+	if (n != 1)
+		elog(ERROR, "outbox emit wrote " UINT64_FORMAT " rows", n);
+	{
+		bool		isnull;
+
+		ev.seq = DatumGetInt64(spi_col(0, 1, &isnull));
+	}
+	SPI_finish();
+
+	announce_event(&ev);
+	{
+		Datum		out[11];
+		bool		nulls[11];
+
+		event_values(&ev, 0, NULL, 0, out, nulls);
+		PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, out, nulls)));
+	}
+}
+
+
+/* for sorting a batch's aggregate ids into lock order */
+static int
+cstring_cmp(const void *a, const void *b)
+{
+	return strcmp(*(char *const *) a, *(char *const *) b);
+}
+
+/* index of name in a sorted array of distinct names (which holds it) */
+static int
+sorted_index(char **names, int n, const char *name)
+{
+	char	  **hit = bsearch(&name, names, n, sizeof(char *), cstring_cmp);
+
+	if (hit == NULL)
+		elog(ERROR, "outbox: aggregate \"%s\" missing from its batch", name);
+	return hit - names;
+}
+
+Datum
+idem_outbox_emit_many(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	char	   *aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
+	Datum	   *ids;
+	Datum	   *types;
+	Datum	   *payloads;
+	Datum	   *headers = NULL;
+	int			n;
+	int			nagg = 0;
+	char	  **names;			/* distinct aggregate ids, sorted */
+	Datum	   *counts;			/* events per aggregate */
+	int64	   *next_seq;
+	OutboxEvent *evs;
+	Jsonb	   *none = empty_headers();
+	FullTransactionId txid = emitting_transaction();
+	TimestampTz now = event_time(txid);
+	int32		bucket;
+
+	InitMaterializedSRF(fcinfo, 0);
+	n = array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
+	if (array_arg(fcinfo, 2, "event_types", TEXTOID, &types) != n ||
+		array_arg(fcinfo, 3, "payloads", JSONBOID, &payloads) != n ||
+		(!PG_ARGISNULL(4) && array_arg(fcinfo, 4, "headers", JSONBOID, &headers) != n))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("aggregate_ids, event_types, payloads and headers must have the same length")));
+	if (n == 0)
+		return (Datum) 0;
+
+	/* the events outlive SPI_finish(): made here, not in SPI's memory */
+	SPI_connect();
+	bucket = idem_outbox_target_bucket(now);
+	SPI_finish();
+	evs = palloc(sizeof(OutboxEvent) * n);
+	names = palloc(sizeof(char *) * n);
+	for (int i = 0; i < n; i++)
+	{
+		evs[i].aggregate_type = aggregate_type;
+		evs[i].aggregate_id = check_name(DatumGetTextPP(ids[i]), "aggregate_id", IDEM_MAX_KEY_BYTES);
+		evs[i].event_type = check_name(DatumGetTextPP(types[i]), "event_type",
+									   OUTBOX_MAX_EVENT_TYPE_BYTES);
+		evs[i].payload = DatumGetJsonbP(payloads[i]);
+		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
+		evs[i].created_at = i == 0 ? now : event_time(txid);
+		outbox_event_id(evs[i].created_at, bucket, txid, &evs[i].id);
+		names[i] = (char *) evs[i].aggregate_id;
+	}
+
+	/* distinct aggregates, sorted: the order their counters are locked in */
+	qsort(names, n, sizeof(char *), cstring_cmp);
+	counts = palloc(sizeof(Datum) * n);
+	for (int i = 0; i < n; i++)
+	{
+		if (nagg > 0 && strcmp(names[i], names[nagg - 1]) == 0)
+		{
+			counts[nagg - 1] = Int64GetDatum(DatumGetInt64(counts[nagg - 1]) + 1);
+			continue;
+		}
+		names[nagg] = names[i];
+		counts[nagg++] = Int64GetDatum(1);
+	}
+
+	next_seq = palloc(sizeof(int64) * nagg);
+	SPI_connect();
+	{
+		Datum		values[3];
+		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
+		uint64		got;
+
+		for (int a = 0; a < nagg; a++)
+			name_datums[a] = CStringGetTextDatum(names[a]);
+		values[0] = CStringGetTextDatum(aggregate_type);
+		values[1] = build_array(name_datums, NULL, nagg, TEXTOID);
+		values[2] = build_array(counts, NULL, nagg, INT8OID);
+		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
+		if (got != (uint64) nagg)
+			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);
+		for (uint64 r = 0; r < got; r++)
+		{
+			bool		isnull;
+			int			a = sorted_index(names, nagg,
+										 TextDatumGetCString(spi_col(r, 1, &isnull)));
+
+			next_seq[a] = DatumGetInt64(spi_col(r, 2, &isnull)) - DatumGetInt64(counts[a]) + 1;
+		}
+	}
+	/* seqs in array order */
+	for (int i = 0; i < n; i++)
+		evs[i].seq = next_seq[sorted_index(names, nagg, evs[i].aggregate_id)]++;
+
+	if (outbox_mode != MODE_WAL)
+	{
+		Datum		values[10];
+		Datum	   *ev_ids = palloc(sizeof(Datum) * n);
+		Datum	   *ev_seqs = palloc(sizeof(Datum) * n);
+		Datum	   *ev_headers = palloc(sizeof(Datum) * n);
+		Datum	   *ev_times = palloc(sizeof(Datum) * n);
+
+		for (int i = 0; i < n; i++)
+		{
+			ev_times[i] = TimestampTzGetDatum(evs[i].created_at);
+			ev_ids[i] = UUIDPGetDatum(&evs[i].id);
+			ev_seqs[i] = Int64GetDatum(evs[i].seq);
+			ev_headers[i] = JsonbPGetDatum(evs[i].headers);
+		}
+		values[0] = CStringGetTextDatum(aggregate_type);
+		values[1] = build_array(ev_ids, NULL, n, UUIDOID);
+		values[2] = build_array(ids, NULL, n, TEXTOID);
+		values[3] = build_array(ev_seqs, NULL, n, INT8OID);
+		values[4] = build_array(types, NULL, n, TEXTOID);
+		values[5] = build_array(payloads, NULL, n, JSONBOID);
+		values[6] = build_array(ev_times, NULL, n, TIMESTAMPTZOID);
+		values[7] = FullTransactionIdGetDatum(txid);
+		values[8] = build_array(ev_headers, NULL, n, JSONBOID);
+		values[9] = Int32GetDatum(bucket);
+		(void) outbox_exec(ST_INSERT_MANY, values, NULL, SPI_OK_INSERT);
+	}
+	SPI_finish();
+
+	for (int i = 0; i < n; i++)
+	{
+		Datum		values[11];
+		bool		nulls[11];
+
+		announce_event(&evs[i]);
+		event_values(&evs[i], 0, NULL, 0, values, nulls);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	return (Datum) 0;
+}
+
+/*---- delivery state ----*/
+
+/* One outbox_deliveries row, as locked and as it will be written back. */
+typedef struct Delivery
+{
+	char	   *aggregate_type;
+	char	   *aggregate_id;
+	int64		acked;
+	bool		leased;			/* leased_seq, lease_token, lease_until set */
+	int64		leased_seq;
+	pg_uuid_t	token;
+	TimestampTz until;
+	int32		attempts;
+	bool		parked;			/* retry_at set */
+	TimestampTz retry_at;
+	bool		dead;			/* dead_seq set */
+	int64		dead_seq;
+	char	   *error;			/* last_error, or NULL */
+	int64		last_seq;		/* newest seq, as the locking statement saw it */
+	ItemPointerData ctid;		/* of the locked row version */
+	bool		changed;
+	bool		unpark;			/* try to unpark after writing */
+} Delivery;
+
+/* Read the locked rows of a DELIVERY_COLUMNS statement. */
+static Delivery *
+read_deliveries(uint64 n)
+{
+	Delivery   *ds = palloc0(sizeof(Delivery) * Max(n, 1));
+
+	for (uint64 r = 0; r < n; r++)
+	{
+		Delivery   *d = &ds[r];
+		bool		isnull;
+		Datum		v;
+
+		d->aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
+		d->aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
+		d->acked = DatumGetInt64(spi_col(r, 3, &isnull));
+		v = spi_col(r, 4, &isnull);
+		d->leased = !isnull;
+		if (d->leased)
+		{
+			d->leased_seq = DatumGetInt64(v);
+			v = spi_col(r, 5, &isnull);
+			d->leased = !isnull;
+			if (!isnull)
+				memcpy(&d->token, DatumGetUUIDP(v), sizeof(pg_uuid_t));
+			v = spi_col(r, 6, &isnull);
+			d->leased = d->leased && !isnull;
+			if (!isnull)
+				d->until = DatumGetTimestampTz(v);
+		}
+		d->attempts = DatumGetInt32(spi_col(r, 7, &isnull));
+		v = spi_col(r, 8, &isnull);
+		d->parked = !isnull;
+		if (!isnull)
+			d->retry_at = DatumGetTimestampTz(v);
+		v = spi_col(r, 9, &isnull);
+		d->dead = !isnull;
+		if (!isnull)
+			d->dead_seq = DatumGetInt64(v);
+		v = spi_col(r, 10, &isnull);
+		d->error = isnull ? NULL : TextDatumGetCString(v);
+		d->last_seq = DatumGetInt64(spi_col(r, 11, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(spi_col(r, 12, &isnull)), &d->ctid);
+	}
+	return ds;
+}
+
+static void
+end_lease(Delivery *d)
+{
+	d->leased = false;
+	d->changed = true;
+}
+
+/* Write back every changed row, then unpark those that asked for it. */
+static void
+write_deliveries(Delivery *ds, int n)
+{
+	static const Oid elemtypes[9] = {TIDOID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID,
+	INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
+	Datum	   *v[9];
+	bool	   *isnull[9];
+	Datum		values[9];
+	int			m = 0;
+
+	for (int c = 0; c < 9; c++)
+	{
+		v[c] = palloc(sizeof(Datum) * Max(n, 1));
+		isnull[c] = palloc0(sizeof(bool) * Max(n, 1));
+	}
+	for (int i = 0; i < n; i++)
+	{
+		Delivery   *d = &ds[i];
+
+		if (!d->changed)
+			continue;
+		v[0][m] = PointerGetDatum(&d->ctid);
+		v[1][m] = Int64GetDatum(d->acked);
+		v[2][m] = Int64GetDatum(d->leased_seq);
+		v[3][m] = UUIDPGetDatum(&d->token);
+		v[4][m] = TimestampTzGetDatum(d->until);
+		isnull[2][m] = isnull[3][m] = isnull[4][m] = !d->leased;
+		v[5][m] = Int32GetDatum(d->attempts);
+		v[6][m] = TimestampTzGetDatum(d->retry_at);
+		isnull[6][m] = !d->parked;
+		v[7][m] = Int64GetDatum(d->dead_seq);
+		isnull[7][m] = !d->dead;
+		v[8][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
+		isnull[8][m] = d->error == NULL;
+		m++;
+	}
+	if (m > 0)
+	{
+		for (int c = 0; c < 9; c++)
+			values[c] = build_array(v[c], isnull[c], m, elemtypes[c]);
+		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
+	}
+	for (int i = 0; i < n; i++)
+	{
+		if (ds[i].unpark)
+		{
+			Datum		keys[2];
+
+			keys[0] = CStringGetTextDatum(ds[i].aggregate_type);
+			keys[1] = CStringGetTextDatum(ds[i].aggregate_id);
+			(void) outbox_exec(ST_UNPARK, keys, NULL, SPI_OK_UPDATE);
+		}
+	}
+}
+
+/* Key arrays ($1, $2) of the aggregates named by parallel string arrays. */
+static void
+key_arrays(char **types, char **ids, int n, Datum *values)
+{
+	Datum	   *t = palloc(sizeof(Datum) * n);
+	Datum	   *i = palloc(sizeof(Datum) * n);
+
+	for (int k = 0; k < n; k++)
+	{
+		t[k] = CStringGetTextDatum(types[k]);
+		i[k] = CStringGetTextDatum(ids[k]);
+	}
+	values[0] = build_array(t, NULL, n, TEXTOID);
+	values[1] = build_array(i, NULL, n, TEXTOID);
+}
+
+/*
+ * Make sure these aggregates have deliveries rows.  Emits make them; this
+ * covers rows deleted by hand, and administrative acks and nacks.
+ */
+static void
+ensure_deliveries(char **types, char **ids, int n)
+{
+	Datum		values[2];
+
+	if (n == 0)
+		return;
+	key_arrays(types, ids, n, values);
+	(void) outbox_exec(ST_ENSURE_DELIVERIES, values, NULL, SPI_OK_INSERT);
+}
+
+/* Lock the deliveries rows of these aggregates (waiting), in key order. */
+static Delivery *
+lock_deliveries(char **types, char **ids, int n, int *nlocked)
+{
+	Datum		values[2];
+
+	*nlocked = 0;
+	if (n == 0)
+		return NULL;
+	key_arrays(types, ids, n, values);
+	*nlocked = (int) outbox_exec(ST_LOCK_DELIVERIES, values, NULL, SPI_OK_SELECT);
+	return read_deliveries(*nlocked);
+}
+
+static bool
+lease_is(const Delivery *d, const pg_uuid_t *token)
+{
+	return memcmp(&d->token, token, sizeof(pg_uuid_t)) == 0;
+}
+
+static bool
+lease_live(const Delivery *d, TimestampTz now)
+{
+	return d->leased && d->until > now;
+}
+
+static bool
+lease_held(const Delivery *d, const pg_uuid_t *token, TimestampTz now)
+{
+	return lease_live(d, now) && lease_is(d, token);
+}
+
+/* Copy the event at seq of d's aggregate into the dead letters. */
+static void
+dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
+{
+	Datum		values[6];
+	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
+
+	values[0] = CStringGetTextDatum(d->aggregate_type);
+	values[1] = CStringGetTextDatum(d->aggregate_id);
+	values[2] = Int64GetDatum(seq);
+	values[3] = Int32GetDatum(d->attempts);
+	if (error != NULL)
+		values[4] = CStringGetTextDatum(error);
+	else
+		nulls[4] = 'n';
+	values[5] = TimestampTzGetDatum(now);
+	(void) outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT);
+}
+
+/*
+ * The head of d has been handed out outbox_max_attempts times and every
+ * attempt failed: dead-letter it, and apply the dead policy.  Returns true
+ * if the aggregate may go on (policy 'skip').
+ */
+static bool
+head_exhausted(Delivery *d, TimestampTz now)
+{
+	dead_letter(d, d->acked + 1, d->error != NULL ? d->error : "lease expired", now);
+	d->dead = true;
+	d->dead_seq = d->acked + 1;
+	d->changed = true;
+	end_lease(d);
+	return false;
+}
+
+/*
+ * A dead head under the policy in force: 'skip' passes it (its dead letter
+ * stays) and returns true; 'block' parks the aggregate for good (until a
+ * redrive or discard) and returns false.
+ */
+static bool
+apply_dead_policy(Delivery *d)
+{
+	d->changed = true;
+	if (outbox_dead_policy == DEAD_SKIP)
+	{
+		if (d->dead_seq > d->acked)
+			d->acked = d->dead_seq;
+		d->dead = false;
+		d->attempts = 0;
+		d->error = NULL;
+		return true;
+	}
+	d->parked = true;
+	d->retry_at = DT_NOEND;
+	end_lease(d);
+	return false;
+}
+
+/*---- claiming ----*/
+
+/* An event read by a claim, kept until the claim returns it. */
+typedef struct ClaimEvent
+{
+	int64		seq;
+	HeapTuple	tup;			/* id, event_type, payload, headers, created_at */
+	TupleDesc	desc;			/* ... from attribute number "col" on */
+	int			col;
+} ClaimEvent;
+
+/* Everything one idem_outbox_claim() call works with. */
+typedef struct Claim
+{
+	int			batch;
+	int			taken;			/* events handed out so far */
+	TimestampTz now;
+	TimestampTz until;
+	pg_uuid_t	token;
+	Datum		types;			/* aggregate_types filter, or 0 */
+	bool		has_types;
+	char	  **type_names;
+	int			ntype_names;
+	ReturnSetInfo *rsinfo;
+} Claim;
+
+static bool
+type_wanted(Claim *c, const char *type)
+{
+	if (!c->has_types)
+		return true;
+	for (int i = 0; i < c->ntype_names; i++)
+		if (strcmp(c->type_names[i], type) == 0)
+			return true;
+	return false;
+}
+
+static void
+emit_claimed(Claim *c, Delivery *d, ClaimEvent *ev)
+{
+	OutboxEvent out;
+	Datum		values[11];
+	bool		nulls[11];
+	bool		isnull;
+	int			k = ev->col;
+
+	memcpy(&out.id, DatumGetUUIDP(heap_getattr(ev->tup, k, ev->desc, &isnull)), sizeof(pg_uuid_t));
+	out.aggregate_type = d->aggregate_type;
+	out.aggregate_id = d->aggregate_id;
+	out.seq = ev->seq;
+	out.event_type = TextDatumGetCString(heap_getattr(ev->tup, k + 1, ev->desc, &isnull));
+	out.payload = DatumGetJsonbP(heap_getattr(ev->tup, k + 2, ev->desc, &isnull));
+	out.headers = DatumGetJsonbP(heap_getattr(ev->tup, k + 3, ev->desc, &isnull));
+	out.created_at = DatumGetTimestampTz(heap_getattr(ev->tup, k + 4, ev->desc, &isnull));
+	event_values(&out, d->attempts, &c->token, c->until, values, nulls);
+	tuplestore_putvalues(c->rsinfo->setResult, c->rsinfo->setDesc, values, nulls);
+}
+
+static int
+claim_event_cmp(const void *a, const void *b)
+{
+	int64		x = ((const ClaimEvent *) a)->seq;
+	int64		y = ((const ClaimEvent *) b)->seq;
+
+	return x < y ? -1 : (x > y ? 1 : 0);
+}
+
+/* The aggregate's undelivered events from the index, in seq order. */
+static ClaimEvent *
+fetch_run(Claim *c, Delivery *d, int *n)
+{
+	Datum		values[4];
+	ClaimEvent *evs;
+	uint64		got;
+
+	values[0] = CStringGetTextDatum(d->aggregate_type);
+	values[1] = CStringGetTextDatum(d->aggregate_id);
+	values[2] = Int64GetDatum(d->acked);
+	values[3] = Int32GetDatum(c->batch - c->taken);
+	got = outbox_exec(ST_RUN, values, NULL, SPI_OK_SELECT);
+	evs = palloc(sizeof(ClaimEvent) * Max(got, 1));
+	for (uint64 r = 0; r < got; r++)
+	{
+		bool		isnull;
+
+		evs[r].tup = SPI_tuptable->vals[r];
+		evs[r].desc = SPI_tuptable->tupdesc;
+		evs[r].col = 1;
+		evs[r].seq = DatumGetInt64(heap_getattr(evs[r].tup, 6, evs[r].desc, &isnull));
+	}
+	*n = (int) got;
+	return evs;
+}
+
+/*
+ * Lease d's run of events, from its head, in seq order.  evs are the
+ * events the cursor scan found for it (NULL: read them from the index).
+ * A seq at or below the newest that has no row was emitted in outbox_mode
+ * 'wal' (or its partition is gone after a rewind): it is passed over at the
+ * head; inside a run, the run stops before it.
+ */
+static void
+take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
+{
+	int			first = -1;
+	int			count = 0;
+	int64		expect;
+
+	if (d->dead && !apply_dead_policy(d))
+		return;
+	if (d->attempts >= outbox_max_attempts && d->acked < d->last_seq)
+	{
+		(void) head_exhausted(d, c->now);
+		if (!apply_dead_policy(d))
+			return;
+	}
+
+	if (evs != NULL)
+	{
+		qsort(evs, nevs, sizeof(ClaimEvent), claim_event_cmp);
+		for (first = 0; first < nevs && evs[first].seq <= d->acked; first++)
+			;
+		/* the scan has not reached the head: ask the index */
+		if (first == nevs || evs[first].seq != d->acked + 1)
+			evs = NULL;
+		else
+		{
+			int64		next = d->acked + 1;
+
+			for (int i = first; i < nevs && evs[i].seq <= next; i++)
+				if (evs[i].seq == next)
+					next++;
+			/* it saw part of the run: read the rest from the index, if it fits */
+			if (next <= d->last_seq && c->taken + (next - d->acked - 1) < c->batch)
+				evs = NULL;
+		}
+	}
+	if (evs == NULL)
+	{
+		evs = fetch_run(c, d, &nevs);
+		first = 0;
+		if (nevs == 0 && d->acked < d->last_seq)
+		{
+			d->acked = d->last_seq;		/* nothing but rows never stored */
+			d->changed = true;
+		}
+		else if (nevs > 0 && evs[0].seq > d->acked + 1 && evs[0].seq <= d->last_seq)
+		{
+			d->acked = evs[0].seq - 1;
+			d->changed = true;
+		}
+	}
+
+	expect = d->acked + 1;
+	for (int i = first; i < nevs && c->taken < c->batch; i++)
+	{
+		if (evs[i].seq < expect)
+			continue;			/* a duplicate row from the scan */
+		if (evs[i].seq != expect)
+			break;
+		expect++;
+		count++;
+		c->taken++;
+	}
+	if (count == 0)
+		return;
+
+	d->attempts++;
+	d->leased = true;
+	d->leased_seq = expect - 1;
+	d->token = c->token;
+	d->until = c->until;
+	d->changed = true;
+	expect = d->acked + 1;
+	for (int i = first; i < nevs && expect <= d->leased_seq; i++)
+	{
+		if (evs[i].seq != expect)
+			continue;
+		emit_claimed(c, d, &evs[i]);
+		expect++;
+	}
+}
+
+/* Parked aggregates whose time has come (and, under 'skip', dead ones). */
+static void
+claim_parked(Claim *c, OutboxStatement st)
+{
+	Datum		values[3];
+	char		nulls[3] = {' ', ' ', ' '};
+	Delivery   *ds;
+	int			n;
+
+	values[0] = TimestampTzGetDatum(c->now);
+	values[1] = Int32GetDatum(c->batch - c->taken);
+	values[2] = c->types;
+	if (!c->has_types)
+		nulls[2] = 'n';
+	n = (int) outbox_exec(st, values, nulls, SPI_OK_SELECT);
+	ds = read_deliveries(n);
+	for (int i = 0; i < n && c->taken < c->batch; i++)
+	{
+		take_run(c, &ds[i], NULL, 0);
+		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= ds[i].last_seq)
+			ds[i].unpark = true;
+	}
+	write_deliveries(ds, n);
+}
+
+/*---- the cursor ----*/
+
+/*
+ * A position in the scan order of events: the emitting transaction, then
+ * the event id (a transaction's events are final together, so a cursor may
+ * stop inside one).
+ */
+typedef struct OutboxPos
+{
+	FullTransactionId txid;
+	pg_uuid_t	id;
+} OutboxPos;
+
+static int
+pos_cmp(const OutboxPos *a, const OutboxPos *b)
+{
+	if (FullTransactionIdPrecedes(a->txid, b->txid))
+		return -1;
+	if (FullTransactionIdFollows(a->txid, b->txid))
+		return 1;
+	return memcmp(a->id.data, b->id.data, UUID_LEN);
+}
+
+static OutboxPos
+pos_at(FullTransactionId txid)
+{
+	OutboxPos	p;
+
+	p.txid = txid;
+	memset(p.id.data, 0, UUID_LEN);
+	return p;
+}
+
+/* this backend's cursor, and when it last wrote it back */
+static OutboxPos local_cursor = {{0}, {{0}}};
+static TimestampTz cursor_written = 0;
+
+/*
+ * The oldest transaction that may still commit an event, as the scan will
+ * see it: the xmin of a snapshot taken now (the scan's, taken later, has a
+ * later one), or under REPEATABLE READ of the transaction's snapshot, which
+ * the scan uses.  Every event from below it is final and visible to the
+ * scan.
+ */
+static OutboxPos
+event_horizon(void)
+{
+	Snapshot	snap = IsolationUsesXactSnapshot() ? GetTransactionSnapshot()
+		: GetLatestSnapshot();
+	FullTransactionId next = ReadNextFullTransactionId();
+	TransactionId xmin = snap->xmin;
+	uint32		epoch = EpochFromFullTransactionId(next);
+
+	if (xmin > XidFromFullTransactionId(next))
+		epoch--;
+	return pos_at(FullTransactionIdFromEpochAndXid(epoch, xmin));
+}
+
+static OutboxPos
+read_cursor(void)
+{
+	OutboxPos	stored = pos_at(FullTransactionIdFromU64(0));
+	OutboxPos	next = pos_at(ReadNextFullTransactionId());
+	bool		isnull;
+
+	if (outbox_exec(ST_CURSOR_READ, NULL, NULL, SPI_OK_SELECT) == 1)
+	{
+		Datum		v = spi_col(0, 1, &isnull);
+
+		if (!isnull)
+		{
+			stored.txid = DatumGetFullTransactionId(v);
+			v = spi_col(0, 2, &isnull);
+			if (!isnull)
+				memcpy(&stored.id, DatumGetUUIDP(v), sizeof(pg_uuid_t));
+		}
+	}
+	/* from another cluster (a restore): worthless, scan everything */
+	if (pos_cmp(&stored, &next) > 0)
+		stored = pos_at(FullTransactionIdFromU64(0));
+	if (pos_cmp(&local_cursor, &next) > 0)
+		local_cursor = pos_at(FullTransactionIdFromU64(0));
+	return pos_cmp(&local_cursor, &stored) > 0 ? local_cursor : stored;
+}
+
+static void
+write_cursor(OutboxPos pos, TimestampTz now)
+{
+	Datum		values[2];
+
+	if (pos_cmp(&pos, &local_cursor) > 0)
+		local_cursor = pos;
+	if (now - cursor_written < OUTBOX_CURSOR_WRITE_USECS && now >= cursor_written)
+		return;
+	values[0] = FullTransactionIdGetDatum(local_cursor.txid);
+	values[1] = UUIDPGetDatum(&local_cursor.id);
+	(void) outbox_exec(ST_CURSOR_WRITE, values, NULL, SPI_OK_UPDATE);
+	cursor_written = now;
+}
+
+/* Candidate aggregates met by the scan, with their events. */
+typedef struct Candidate
+{
+	uint32		hash;
+	char	   *aggregate_type;
+	char	   *aggregate_id;
+	bool		has_row;		/* has a deliveries row */
+	bool		tried;			/* a lease was attempted */
+	int			nevents;
+	int			cap;
+	ClaimEvent *events;
+} Candidate;
+
+typedef struct CandidateSet
+{
+	int			n;
+	int			cap;
+	Candidate **slots;			/* open addressing, cap a power of 2 */
+	Candidate **list;			/* in order met */
+	int			nlist;
+} CandidateSet;
+
+static uint32
+candidate_hash(const char *type, const char *id)
+{
+	return hash_combine(hash_bytes((const unsigned char *) type, strlen(type)),
+						hash_bytes((const unsigned char *) id, strlen(id)));
+}
+
+static void
+candidates_grow(CandidateSet *cs)
+{
+	int			cap = cs->cap == 0 ? 64 : cs->cap * 2;
+	Candidate **slots = palloc0(sizeof(Candidate *) * cap);
+
+	for (int i = 0; i < cs->nlist; i++)
+	{
+		Candidate  *cand = cs->list[i];
+		uint32		pos = cand->hash & (cap - 1);
+
+		while (slots[pos] != NULL)
+			pos = (pos + 1) & (cap - 1);
+		slots[pos] = cand;
+	}
+	cs->slots = slots;
+	cs->cap = cap;
+	cs->list = cs->list == NULL ? palloc(sizeof(Candidate *) * cap)
+		: repalloc(cs->list, sizeof(Candidate *) * cap);
+}
+
+static Candidate *
+candidate_get(CandidateSet *cs, const char *type, const char *id, bool create)
+{
+	uint32		h = candidate_hash(type, id);
+	uint32		pos;
+	Candidate  *cand;
+
+	if (cs->cap == 0)
+	{
+		if (!create)
+			return NULL;
+		candidates_grow(cs);
+	}
+	for (pos = h & (cs->cap - 1); cs->slots[pos] != NULL; pos = (pos + 1) & (cs->cap - 1))
+	{
+		cand = cs->slots[pos];
+		if (cand->hash == h && strcmp(cand->aggregate_type, type) == 0 &&
+			strcmp(cand->aggregate_id, id) == 0)
+			return cand;
+	}
+	if (!create)
+		return NULL;
+	if ((cs->nlist + 1) * 2 > cs->cap)
+	{
+		candidates_grow(cs);
+		return candidate_get(cs, type, id, create);
+	}
+	cand = palloc0(sizeof(Candidate));
+	cand->hash = h;
+	cand->aggregate_type = pstrdup(type);
+	cand->aggregate_id = pstrdup(id);
+	cs->slots[pos] = cand;
+	cs->list[cs->nlist++] = cand;
+	return cand;
+}
+
+static void
+candidate_add_event(Candidate *cand, HeapTuple tup, TupleDesc desc, int64 seq)
+{
+	if (cand->nevents == cand->cap)
+	{
+		cand->cap = cand->cap == 0 ? 4 : cand->cap * 2;
+		cand->events = cand->events == NULL ? palloc(sizeof(ClaimEvent) * cand->cap)
+			: repalloc(cand->events, sizeof(ClaimEvent) * cand->cap);
+	}
+	cand->events[cand->nevents].seq = seq;
+	cand->events[cand->nevents].tup = tup;
+	cand->events[cand->nevents].desc = desc;
+	cand->events[cand->nevents].col = 5;
+	cand->nevents++;
+}
+
+/*
+ * Lease candidates not tried yet, in the order the scan met them, a group
+ * at a time, until the batch is full.  A group is sized by the runs taken
+ * so far, so that few rows are locked beyond those that get leased (a
+ * locked row stays locked to the other relays until we commit).
+ */
+static void
+lease_candidates(Claim *c, CandidateSet *cs)
+{
+	char	  **types = palloc(sizeof(char *) * Max(cs->nlist, 1));
+	char	  **ids = palloc(sizeof(char *) * Max(cs->nlist, 1));
+	char	  **new_types = palloc(sizeof(char *) * Max(cs->nlist, 1));
+	char	  **new_ids = palloc(sizeof(char *) * Max(cs->nlist, 1));
+	int			next = 0;
+	int			leased = 0;
+	int			taken_before = c->taken;
+
+	while (c->taken < c->batch && next < cs->nlist)
+	{
+		int			group = OUTBOX_LEASE_GROUP;
+		int			n = 0;
+		int			nnew = 0;
+		Datum		values[3];
+		Delivery   *ds;
+		int			nlocked;
+
+		/* runs so far average (taken / leased) events: size the group by that */
+		if (leased > 0 && c->taken > taken_before)
+			group = Max(1, Min(OUTBOX_SCAN_CHUNK,
+							   (int) ((int64) (c->batch - c->taken) * leased /
+									  (c->taken - taken_before)) + 1));
+		for (; next < cs->nlist && n < group; next++)
+		{
+			Candidate  *cand = cs->list[next];
+
+			if (cand->tried || cand->nevents == 0)
+				continue;
+			cand->tried = true;
+			types[n] = cand->aggregate_type;
+			ids[n++] = cand->aggregate_id;
+			if (!cand->has_row)
+			{
+				new_types[nnew] = cand->aggregate_type;
+				new_ids[nnew++] = cand->aggregate_id;
+			}
+		}
+		if (n == 0)
+			break;
+		ensure_deliveries(new_types, new_ids, nnew);
+
+		key_arrays(types, ids, n, values);
+		values[2] = TimestampTzGetDatum(c->now);
+		nlocked = (int) outbox_exec(ST_LOCK_CANDIDATES, values, NULL, SPI_OK_SELECT);
+		ds = read_deliveries(nlocked);
+		for (int i = 0; i < nlocked && c->taken < c->batch; i++)
+		{
+			Candidate  *cand = candidate_get(cs, ds[i].aggregate_type, ds[i].aggregate_id, false);
+
+			take_run(c, &ds[i], cand ? cand->events : NULL, cand ? cand->nevents : 0);
+			if (ds[i].leased && lease_is(&ds[i], &c->token))
+				leased++;
+		}
+		write_deliveries(ds, nlocked);
+	}
+}
+
+/*
+ * Scan events from the cursor, lease the aggregates met that can be leased,
+ * and move the cursor up to the first event still pending.
+ */
+static void
+claim_by_cursor(Claim *c)
+{
+	OutboxPos	horizon = event_horizon();
+	OutboxPos	from = read_cursor();
+	OutboxPos	first_pending = {{0}, {{0}}};
+	bool		pending_seen = false;
+	OutboxPos	last_seen = from;
+	bool		exhausted = false;
+	CandidateSet cs = {0};
+	Datum		args[2];
+	Portal		portal;
+
+	args[0] = FullTransactionIdGetDatum(from.txid);
+	args[1] = UUIDPGetDatum(&from.id);
+	portal = SPI_cursor_open(NULL, outbox_plan(ST_SCAN), args, NULL, false);
+	while (c->taken < c->batch)
+	{
+		SPITupleTable *tt;
+
+		SPI_cursor_fetch(portal, true, OUTBOX_SCAN_CHUNK);
+		tt = SPI_tuptable;
+		if (SPI_processed == 0)
+		{
+			exhausted = true;
+			break;
+		}
+		for (uint64 r = 0; r < SPI_processed; r++)
+		{
+			HeapTuple	tup = tt->vals[r];
+			TupleDesc	desc = tt->tupdesc;
+			bool		isnull;
+			int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
+			Datum		acked = heap_getattr(tup, 10, desc, &isnull);
+			bool		has_row = !isnull;
+			Datum		until;
+			char	   *type;
+			char	   *id;
+			Candidate  *cand;
+
+			last_seen.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
+			memcpy(&last_seen.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
+			if (has_row && seq <= DatumGetInt64(acked))
+				continue;		/* delivered */
+			(void) heap_getattr(tup, 12, desc, &isnull);
+			if (!isnull)
+				continue;		/* parked: found through retry_at */
+			if (!pending_seen)
+			{
+				first_pending = last_seen;
+				pending_seen = true;
+			}
+			until = heap_getattr(tup, 11, desc, &isnull);
+			if (!isnull && DatumGetTimestampTz(until) > c->now)
+				continue;		/* leased by another relay */
+			type = TextDatumGetCString(heap_getattr(tup, 2, desc, &isnull));
+			if (!type_wanted(c, type))
+				continue;
+			id = TextDatumGetCString(heap_getattr(tup, 3, desc, &isnull));
+			cand = candidate_get(&cs, type, id, true);
+			if (cand->tried)
+				continue;
+			cand->has_row = has_row;
+			candidate_add_event(cand, tup, desc, seq);
+		}
+		lease_candidates(c, &cs);
+	}
+	SPI_cursor_close(portal);
+
+	/* the cursor moves up to the first pending event, never past horizon */
+	if (pending_seen && pos_cmp(&first_pending, &horizon) < 0)
+		horizon = first_pending;
+	else if (!pending_seen && !exhausted && pos_cmp(&last_seen, &horizon) < 0)
+		horizon = last_seen;
+	if (pos_cmp(&horizon, &from) > 0)
+		write_cursor(horizon, c->now);
+}
+
+Datum
+idem_outbox_claim(PG_FUNCTION_ARGS)
+{
+	Claim		c = {0};
+	int64		lease;
+
+	if (PG_ARGISNULL(0))
+		null_argument("batch");
+	c.batch = PG_GETARG_INT32(0);
+	if (c.batch <= 0 || c.batch > OUTBOX_MAX_BATCH)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("batch must be between 1 and %d", OUTBOX_MAX_BATCH)));
+	lease = positive_interval_arg(fcinfo, 1, "lease");
+	if (!PG_ARGISNULL(2))
+	{
+		Datum	   *elems;
+
+		c.ntype_names = array_arg(fcinfo, 2, "aggregate_types", TEXTOID, &elems);
+		c.type_names = palloc(sizeof(char *) * Max(c.ntype_names, 1));
+		for (int i = 0; i < c.ntype_names; i++)
+			c.type_names[i] = TextDatumGetCString(elems[i]);
+		c.types = PG_GETARG_DATUM(2);
+		c.has_types = true;
+	}
+	InitMaterializedSRF(fcinfo, 0);
+	c.rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	c.now = idem_now();
+	c.until = c.now + lease;
+	outbox_token(&c.token);
+
+	SPI_connect();
+	claim_parked(&c, ST_PARKED_DUE);
+	if (outbox_dead_policy == DEAD_SKIP && c.taken < c.batch)
+		claim_parked(&c, ST_PARKED_DEAD);
+	if (c.taken < c.batch)
+		claim_by_cursor(&c);
+	SPI_finish();
+	return (Datum) 0;
+}
+
+/*---- settling: ack, nack, extend ----*/
+
+/* (aggregate, seq) of an event */
+typedef struct FoundEvent
+{
+	char	   *aggregate_type;
+	char	   *aggregate_id;
+	int64		seq;
+} FoundEvent;
+
+static int
+found_event_cmp(const void *a, const void *b)
+{
+	const FoundEvent *x = a;
+	const FoundEvent *y = b;
+	int			c = strcmp(x->aggregate_type, y->aggregate_type);
+
+	if (c == 0)
+		c = strcmp(x->aggregate_id, y->aggregate_id);
+	if (c == 0)
+		c = x->seq < y->seq ? -1 : (x->seq > y->seq ? 1 : 0);
+	return c;
+}
+
+/* The events with these ids, sorted by aggregate and seq; unknown ids are left out. */
+static FoundEvent *
+find_events(Datum *ids, int n, int *nfound)
+{
+	int32	   *buckets = palloc(sizeof(int32) * n);
+	FullTransactionId *txids = palloc(sizeof(FullTransactionId) * n);
+	Datum	   *k_txids = palloc(sizeof(Datum) * n);
+	Datum	   *k_ids = palloc(sizeof(Datum) * n);
+	FoundEvent *found = NULL;
+	int			cap = 0;
+
+	*nfound = 0;
+	for (int i = 0; i < n; i++)
+		if (!idem_outbox_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], &txids[i]))
+			buckets[i] = 0;		/* not an event id */
+
+	/* one statement per partition the ids name (usually one) */
+	for (int i = 0; i < n; i++)
+	{
+		bool		seen = buckets[i] == 0;
+		int			m = 0;
+		Datum		values[3];
+		uint64		got;
+
+		for (int j = 0; j < i && !seen; j++)
+			seen = buckets[j] == buckets[i];
+		if (seen)
+			continue;
+		for (int j = i; j < n; j++)
+		{
+			if (buckets[j] != buckets[i])
+				continue;
+			k_txids[m] = FullTransactionIdGetDatum(txids[j]);
+			k_ids[m++] = ids[j];
+		}
+		values[0] = build_array(k_txids, NULL, m, XID8OID);
+		values[1] = build_array(k_ids, NULL, m, UUIDOID);
+		values[2] = Int32GetDatum(buckets[i]);
+		got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
+		if (*nfound + (int) got > cap)
+		{
+			cap = *nfound + (int) got + 16;
+			found = found == NULL ? palloc(sizeof(FoundEvent) * cap)
+				: repalloc(found, sizeof(FoundEvent) * cap);
+		}
+		for (uint64 r = 0; r < got; r++)
+		{
+			FoundEvent *f = &found[(*nfound)++];
+			bool		isnull;
+
+			f->aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
+			f->aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
+			f->seq = DatumGetInt64(spi_col(r, 3, &isnull));
+		}
+	}
+	if (*nfound > 1)
+		qsort(found, *nfound, sizeof(FoundEvent), found_event_cmp);
+	return found;
+}
+
+static bool
+same_aggregate(const char *t1, const char *i1, const char *t2, const char *i2)
+{
+	return strcmp(t1, t2) == 0 && strcmp(i1, i2) == 0;
+}
+
+/* The distinct aggregates of sorted found events, as key arrays. */
+static int
+distinct_aggregates(FoundEvent *f, int n, char ***types, char ***ids)
+{
+	int			m = 0;
+
+	*types = palloc(sizeof(char *) * Max(n, 1));
+	*ids = palloc(sizeof(char *) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+	{
+		if (m > 0 && same_aggregate((*types)[m - 1], (*ids)[m - 1],
+									f[i].aggregate_type, f[i].aggregate_id))
+			continue;
+		(*types)[m] = f[i].aggregate_type;
+		(*ids)[m++] = f[i].aggregate_id;
+	}
+	return m;
+}
+
+/* Mark d delivered up to a seq; the lease ends once its run is delivered. */
+static void
+advance(Delivery *d, int64 to)
+{
+	d->acked = to;
+	d->attempts = 0;
+	d->error = NULL;
+	d->changed = true;
+	if (d->leased && d->acked >= d->leased_seq)
+		end_lease(d);
+	if (d->parked && !d->dead)
+		d->unpark = !d->leased;
+}
+
+Datum
+idem_outbox_ack(PG_FUNCTION_ARGS)
+{
+	Datum	   *ids;
+	int			n = array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
+	bool		fenced = !PG_ARGISNULL(1);
+	pg_uuid_t  *token = fenced ? PG_GETARG_UUID_P(1) : NULL;
+	TimestampTz now = idem_now();
+	FoundEvent *found;
+	int			nfound;
+	char	  **types;
+	char	  **aggs;
+	int			nagg;
+	Delivery   *ds;
+	int			nlocked;
+	int			marked = 0;
+
+	if (n == 0)
+		PG_RETURN_INT32(0);
+	SPI_connect();
+	found = find_events(ids, n, &nfound);
+	nagg = distinct_aggregates(found, nfound, &types, &aggs);
+	if (!fenced)
+		ensure_deliveries(types, aggs, nagg);
+	ds = lock_deliveries(types, aggs, nagg, &nlocked);
+	for (int i = 0, f = 0; i < nlocked; i++)
+	{
+		Delivery   *d = &ds[i];
+		int64		expect = d->acked + 1;
+
+		/* found events and locked rows are both in key order */
+		while (f < nfound && !same_aggregate(found[f].aggregate_type, found[f].aggregate_id,
+											 d->aggregate_type, d->aggregate_id))
+			f++;
+		if (fenced && !lease_held(d, token, now))
+			continue;
+		for (; f < nfound && same_aggregate(found[f].aggregate_type, found[f].aggregate_id,
+											d->aggregate_type, d->aggregate_id); f++)
+		{
+			if (found[f].seq < expect)
+				continue;
+			if (found[f].seq != expect || (fenced && found[f].seq > d->leased_seq))
+				break;
+			expect++;
+		}
+		if (expect > d->acked + 1)
+		{
+			marked += (int) (expect - 1 - d->acked);
+			advance(d, expect - 1);
+		}
+	}
+	write_deliveries(ds, nlocked);
+	SPI_finish();
+	PG_RETURN_INT32(marked);
+}
+
+/* The wait before retrying an aggregate whose head failed "attempts" times. */
+static int64
+backoff_usecs(int32 attempts)
+{
+	int64		usecs = OUTBOX_BACKOFF_FIRST_USECS;
+
+	for (int i = 1; i < attempts && usecs < OUTBOX_BACKOFF_MAX_USECS; i++)
+		usecs *= 2;
+	return Min(usecs, OUTBOX_BACKOFF_MAX_USECS);
+}
+
+Datum
+idem_outbox_nack(PG_FUNCTION_ARGS)
+{
+	pg_uuid_t  *id;
+	char	   *error;
+	bool		fenced = !PG_ARGISNULL(3);
+	int64		retry_after = -1;
+	TimestampTz now = idem_now();
+	Datum		idd;
+	FoundEvent *found;
+	int			nfound;
+	Delivery   *d;
+	int			nlocked;
+
+	if (PG_ARGISNULL(0))
+		null_argument("id");
+	if (PG_ARGISNULL(1))
+		null_argument("error");
+	id = PG_GETARG_UUID_P(0);
+	error = text_to_cstring(PG_GETARG_TEXT_PP(1));
+	if (!PG_ARGISNULL(2))
+	{
+		retry_after = interval_usecs(PG_GETARG_INTERVAL_P(2));
+		if (retry_after < 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("retry_after must not be negative")));
+	}
+
+	SPI_connect();
+	idd = UUIDPGetDatum(id);
+	found = find_events(&idd, 1, &nfound);
+	if (nfound == 0)
+	{
+		SPI_finish();
+		PG_RETURN_VOID();		/* not an event (any more): nothing to retry */
+	}
+	if (!fenced)
+		ensure_deliveries(&found[0].aggregate_type, &found[0].aggregate_id, 1);
+	d = lock_deliveries(&found[0].aggregate_type, &found[0].aggregate_id, 1, &nlocked);
+	if (nlocked == 1 && found[0].seq > d->acked && !d->dead &&
+		(!fenced || lease_held(d, PG_GETARG_UUID_P(3), now)))
+	{
+		d->error = error;
+		end_lease(d);
+		d->parked = true;
+		if (d->attempts >= outbox_max_attempts)
+		{
+			/* dead now; the next claim applies the dead policy */
+			(void) head_exhausted(d, now);
+			d->retry_at = now;
+		}
+		else
+			d->retry_at = now + (retry_after >= 0 ? retry_after : backoff_usecs(d->attempts));
+		write_deliveries(d, 1);
+	}
+	SPI_finish();
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_outbox_extend(PG_FUNCTION_ARGS)
+{
+	int64		lease;
+	TimestampTz now = idem_now();
+	Datum		values[3];
+	uint64		n;
+	int64		covered = 0;
+
+	if (PG_ARGISNULL(0))
+		null_argument("lease_token");
+	lease = positive_interval_arg(fcinfo, 1, "lease");
+	SPI_connect();
+	values[0] = PG_GETARG_DATUM(0);
+	values[1] = TimestampTzGetDatum(now + lease);
+	values[2] = TimestampTzGetDatum(now);
+	n = outbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE_RETURNING);
+	for (uint64 r = 0; r < n; r++)
+	{
+		bool		isnull;
+		Datum		v = spi_col(r, 1, &isnull);
+
+		if (!isnull)
+			covered += DatumGetInt64(v);
+	}
+	SPI_finish();
+	PG_RETURN_INT32((int32) Min(covered, PG_INT32_MAX));
+}
+
+/*---- dead letters: redrive, discard ----*/
+
+/*
+ * Lock the dead letters with these ids and their aggregates' deliveries
+ * rows; apply fn to each aggregate with the seqs of its dead letters; delete
+ * the dead letters.  Returns how many there were.
+ */
+typedef void (*DeadLetterAction) (Delivery *d, int64 *seqs, int nseqs, TimestampTz now);
+
+static int
+settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
+{
+	Datum	   *ids;
+	int			n = array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
+	Datum		arr;
+	FoundEvent *found;
+	int64	   *seqs;
+	uint64		got;
+	char	  **types;
+	char	  **aggs;
+	int			nagg;
+	Delivery   *ds;
+	int			nlocked;
+	TimestampTz now = idem_now();
+
+	if (n == 0)
+		return 0;
+	SPI_connect();
+	arr = build_array(ids, NULL, n, UUIDOID);
+	got = outbox_exec(ST_FIND_DEAD, &arr, NULL, SPI_OK_SELECT);
+	found = palloc(sizeof(FoundEvent) * Max(got, 1));
+	seqs = palloc(sizeof(int64) * Max(got, 1));
+	for (uint64 r = 0; r < got; r++)
+	{
+		bool		isnull;
+
+		found[r].aggregate_type = TextDatumGetCString(spi_col(r, 2, &isnull));
+		found[r].aggregate_id = TextDatumGetCString(spi_col(r, 3, &isnull));
+		found[r].seq = DatumGetInt64(spi_col(r, 4, &isnull));
+	}
+	nagg = distinct_aggregates(found, (int) got, &types, &aggs);
+	ensure_deliveries(types, aggs, nagg);
+	ds = lock_deliveries(types, aggs, nagg, &nlocked);
+	for (int i = 0, f = 0; i < nlocked; i++)
+	{
+		int			k = 0;
+
+		while (f < (int) got && !same_aggregate(found[f].aggregate_type, found[f].aggregate_id,
+												ds[i].aggregate_type, ds[i].aggregate_id))
+			f++;
+		for (; f < (int) got && same_aggregate(found[f].aggregate_type, found[f].aggregate_id,
+											   ds[i].aggregate_type, ds[i].aggregate_id); f++)
+			seqs[k++] = found[f].seq;
+		if (k > 0)
+			fn(&ds[i], seqs, k, now);
+	}
+	write_deliveries(ds, nlocked);
+	(void) outbox_exec(ST_DELETE_DEAD, &arr, NULL, SPI_OK_DELETE);
+	SPI_finish();
+	return (int) got;
+}
+
+/* Park an aggregate, due now: the next claim takes it from its head. */
+static void
+park_now(Delivery *d, TimestampTz now)
+{
+	d->attempts = 0;
+	d->error = NULL;
+	d->parked = true;
+	d->retry_at = now;
+	d->changed = true;
+	end_lease(d);
+}
+
+/*
+ * Redrive: a blocked head is unblocked; an aggregate that went on past a
+ * dead event (policy 'skip') goes back to it, so what followed it is
+ * delivered again, in order (consumers dedupe on seq).  seqs are sorted.
+ */
+static void
+redrive_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
+{
+	if (d->dead)
+	{
+		for (int i = 0; i < nseqs; i++)
+			if (seqs[i] == d->dead_seq)
+				d->dead = false;
+	}
+	if (seqs[0] <= d->acked)
+		d->acked = seqs[0] - 1;
+	park_now(d, now);
+}
+
+/* Discard: a blocked head is passed over for good. */
+static void
+discard_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
+{
+	for (int i = 0; i < nseqs; i++)
+	{
+		if (d->dead && seqs[i] == d->dead_seq)
+		{
+			d->dead = false;
+			if (d->acked < d->dead_seq)
+				d->acked = d->dead_seq;
+			park_now(d, now);
+		}
+	}
+}
+
+Datum
+idem_outbox_redrive(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_INT32(settle_dead_letters(fcinfo, redrive_aggregate));
+}
+
+Datum
+idem_outbox_discard(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_INT32(settle_dead_letters(fcinfo, discard_aggregate));
+}
