@@ -72,7 +72,7 @@ expect_zero() {
         fail "$1: $n"
         sql -c "${3:-SELECT 'no detail query'}" | head -n 10 | sed 's/^/    /'
     else
-        echo "ok: $1"
+        echo "ok: 0 $1"
     fi
 }
 
@@ -197,8 +197,29 @@ pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" \
 emit_pid=$!
 bg_pids+=("$emit_pid")
 
+sleep 1
+# terminate relay 4 while it waits between publishing and acking
+killed_token=''
+end=$((SECONDS + 10))
+while ((SECONDS < end)); do
+    killed_token=$(sql -c "
+        WITH t AS (SELECT pid FROM pg_stat_activity
+                   WHERE application_name = 'relay4' AND state = 'idle'
+                     AND query LIKE 'INSERT INTO consumer_log%'),
+             b AS (SELECT min(lease_token::text) AS tok, count(*) AS n FROM relay_batch WHERE relay = 4)
+        SELECT b.tok FROM t, b WHERE b.n > 0 AND pg_terminate_backend(t.pid)")
+    [[ -n $killed_token ]] && break
+    sleep 0.05
+done
+if [[ -n $killed_token ]]; then
+    rc=0
+    wait "$r4" || rc=$?
+    [[ $rc -ne 0 ]] || { cat "$tmp/relay4-killed.out"; fail "relay 4 did not end by the termination of its backend (status $rc)"; }
+    relay 4 "$((RELAY_SECS - (SECONDS - start)))" 0 relay4.out; r4b=$!
+    bg_pids+=("$r4b")
+fi
+
 # the stale relay: claim, publish, sleep past the lease, ack late (relay 5)
-sleep 2
 for _ in $(seq 1 50); do
     PGOPTIONS='-c client_min_messages=warning' sql <<SQL
 DELETE FROM relay_batch WHERE relay = 5;
@@ -223,32 +244,11 @@ if [[ $stale_n -gt 0 ]]; then
                         FROM relay_batch WHERE relay = 5 RETURNING acked")
 fi
 
-# terminate relay 4 while it waits between publishing and acking
-killed_token=''
-end=$((SECONDS + 10))
-while ((SECONDS < end)); do
-    killed_token=$(sql -c "
-        WITH t AS (SELECT pid FROM pg_stat_activity
-                   WHERE application_name = 'relay4' AND state = 'idle'
-                     AND query LIKE 'INSERT INTO consumer_log%'),
-             b AS (SELECT min(lease_token::text) AS tok, count(*) AS n FROM relay_batch WHERE relay = 4)
-        SELECT b.tok FROM t, b WHERE b.n > 0 AND pg_terminate_backend(t.pid)")
-    [[ -n $killed_token ]] && break
-    sleep 0.05
-done
-if [[ -n $killed_token ]]; then
-    rc=0
-    wait "$r4" || rc=$?
-    [[ $rc -ne 0 ]] || { cat "$tmp/relay4-killed.out"; fail "relay 4 did not end by the termination of its backend (status $rc)"; }
-    relay 4 "$((RELAY_SECS - (SECONDS - start)))" 0 relay4.out; r4b=$!
-    bg_pids+=("$r4b")
-fi
-
 rc=0
 wait "$emit_pid" || rc=$?
 grep -E 'processed|failed|tps|aborted' "$tmp/emit.out" | sed 's/^/  emitters: /' || true
 [[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit.out"; fail "emitters: pgbench exited with status $rc (a client got an error)"; }
-for p in "$r1" "$r2" "$r3" ${r4b:+"$r4b"}; do
+for p in "$r1" "$r2" "$r3" "${r4b:-$r4}"; do
     rc=0
     wait "$p" || rc=$?
     [[ $rc -eq 0 ]] || fail "a relay's pgbench exited with status $rc"
