@@ -36,7 +36,7 @@
 #   - the stale relay's late ack returned 0;
 #   - afterwards every aggregate is fully acked, and no lease is left.
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (superuser: it terminates a
-# backend); run by test/run-tests (part "stress") in an empty database.
+# backend and sets idempotency.debug_clock_offset); run by test/run-tests (part "stress") in an empty database.
 # Settings: IDEM_STRESS_SECONDS (emitting time, default 15),
 # IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
 # 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (seconds the
@@ -50,6 +50,11 @@ ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
 DRAIN=${IDEM_STRESS_DRAIN:-10}
 LEASE='2 seconds'
 BATCH=20
+
+# every session runs with the extension's clock 10 days ahead, past the
+# 1-day partitions CREATE EXTENSION premade (outbox partitions do not reshape
+# when partition_interval changes), so the events go into 1-second ones
+export PGOPTIONS="${PGOPTIONS:-} -c idempotency.debug_clock_offset=864000"
 
 tmp=$(mktemp -d)
 bg_pids=()
@@ -168,7 +173,7 @@ PGBENCH
 # relay RELAY SECONDS ACK_DELAY_MS OUT: one relay in the background ($! is
 # its pid), output to $tmp/OUT
 relay() {
-    PGAPPNAME=relay$1 PGOPTIONS='-c client_min_messages=warning' \
+    PGAPPNAME=relay$1 PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" \
         pgbench -n -M extended -c 1 -T "$2" -D relay="$1" -D batch="$BATCH" -D lease="$LEASE" \
         -D ack_delay="$3" -f "$tmp/relay.sql" >"$tmp/$4" 2>&1 &
 }
@@ -221,7 +226,7 @@ fi
 
 # the stale relay: claim, publish, sleep past the lease, ack late (relay 5)
 for _ in $(seq 1 50); do
-    PGOPTIONS='-c client_min_messages=warning' sql <<SQL
+    PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" sql <<SQL
 DELETE FROM relay_batch WHERE relay = 5;
 INSERT INTO relay_batch
   SELECT 5, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
