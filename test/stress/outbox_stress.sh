@@ -54,7 +54,8 @@ BATCH=20
 # every session runs with the extension's clock 10 days ahead, past the
 # 1-day partitions CREATE EXTENSION premade (outbox partitions do not reshape
 # when partition_interval changes), so the events go into 1-second ones
-export PGOPTIONS="${PGOPTIONS:-} -c idempotency.debug_clock_offset=864000"
+base_options=${PGOPTIONS:-}
+export PGOPTIONS="$base_options -c idempotency.debug_clock_offset=864000"
 
 tmp=$(mktemp -d)
 bg_pids=()
@@ -81,7 +82,7 @@ expect_zero() {
     fi
 }
 
-sql >/dev/null <<'SQL'
+PGOPTIONS=$base_options sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 SELECT idem_configure(retention => '60 seconds', partition_interval => '1 second', premake => 20);
