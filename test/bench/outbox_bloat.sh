@@ -12,7 +12,8 @@
 #                 with the lease token (idem_outbox_ack, a second statement);
 #   hand-written: DELETE FROM hw_outbox WHERE id IN (SELECT id ... ORDER BY
 #                 id LIMIT 100 FOR UPDATE SKIP LOCKED) RETURNING *.
-# Prints per run the events delivered per second (every 5 s and overall),
+# Prints per run the events delivered per second (every 5 s, and overall
+# while a backlog was left),
 # the dead tuples left (pg_stat_user_tables.n_dead_tup, and pgstattuple's
 # dead_tuple_count where that extension is available) in the event
 # partitions, the outbox's state tables and the hand-written table, and for
@@ -20,13 +21,15 @@
 #
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (test/bench/run sets them).
 # Settings: IDEM_BENCH_OUTBOX_SECONDS (per run, default 30),
-# IDEM_BENCH_OUTBOX_BACKLOG (events prefilled, default 300000),
+# IDEM_BENCH_OUTBOX_BACKLOG (events prefilled for idem, default 300000),
+# IDEM_BENCH_OUTBOX_HW_BACKLOG (for the hand-written outbox, default 1500000),
 # IDEM_BENCH_OUTBOX_AGGREGATES (default 1000), IDEM_BENCH_OUTBOX_RELAYS
 # (default 4), IDEM_BENCH_OUTBOX_EMIT_RATE (events per second, default 1000).
 set -euo pipefail
 
 SECS=${IDEM_BENCH_OUTBOX_SECONDS:-30}
 BACKLOG=${IDEM_BENCH_OUTBOX_BACKLOG:-300000}
+HW_BACKLOG=${IDEM_BENCH_OUTBOX_HW_BACKLOG:-1500000}
 NAGG=${IDEM_BENCH_OUTBOX_AGGREGATES:-1000}
 RELAYS=${IDEM_BENCH_OUTBOX_RELAYS:-4}
 RATE=${IDEM_BENCH_OUTBOX_EMIT_RATE:-1000}
@@ -91,7 +94,7 @@ DROP TABLE IF EXISTS hw_outbox;
 CREATE TABLE hw_outbox (id bigserial PRIMARY KEY, aggregate_id text NOT NULL, event_type text NOT NULL,
                         payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
 INSERT INTO hw_outbox (aggregate_id, event_type, payload)
-SELECT (1 + (g % $NAGG))::text, 'e', '{"x": 1}' FROM generate_series(1, $BACKLOG) g;
+SELECT (1 + (g % $NAGG))::text, 'e', '{"x": 1}' FROM generate_series(1, $HW_BACKLOG) g;
 VACUUM ANALYZE hw_outbox;
 SQL
     fi
@@ -144,7 +147,7 @@ dead_tuples() {
 declare -A RESULT
 # run KIND HELD: one run; sets RESULT[KIND,HELD] to events/s
 run() {
-    local kind=$1 held=$2 d0 d1 prev now t rates=()
+    local kind=$1 held=$2 d0 d1 prev now t left rates=() t_last=0 d_last
     reset "$kind"
     if [[ $held == held ]]; then
         mkfifo "$tmp/holder.in"
@@ -163,19 +166,27 @@ run() {
         -f "$tmp/${kind}_relay.sql" >"$tmp/relay.out" 2>&1 &
     local rpid=$!
     prev=$d0
+    d_last=$d0
     for ((t = STEP; t <= SECS; t += STEP)); do
         sleep "$STEP"
         now=$(delivered "$kind")
-        rates+=("$(((now - prev) / STEP))")
+        left=$(pending "$kind")
+        rates+=("$(((now - prev) / STEP))$( ((left > 0)) || echo '(empty)')")
         prev=$now
+        # the rate counts only the time while a backlog was left
+        if ((left > 0)); then t_last=$t; d_last=$now; fi
     done
     wait "$epid" || { cat "$tmp/emit.out"; echo "emitters failed" >&2; exit 1; }
     wait "$rpid" || { cat "$tmp/relay.out"; echo "relays failed" >&2; exit 1; }
-    d1=$(delivered "$kind")
-    RESULT[$kind,$held]=$(((d1 - d0) / SECS))
+    if ((t_last == 0)); then
+        echo "    WARNING: the backlog ran out within ${STEP}s; raise the backlog"
+        t_last=$STEP
+        d_last=$(delivered "$kind")
+    fi
+    RESULT[$kind,$held]=$(((d_last - d0) / t_last))
     printf '  %-13s %-14s %7d events/s   (every %ds: %s)   backlog left %s\n' \
         "$kind" "$held" "${RESULT[$kind,$held]}" "$STEP" "${rates[*]}" "$(pending "$kind")"
-    [[ $(pending "$kind") -gt 0 ]] || echo "    WARNING: the backlog ran out; raise IDEM_BENCH_OUTBOX_BACKLOG"
+    [[ $(pending "$kind") -gt 0 ]] || echo "    (the backlog ran out: the rate counts the ${t_last}s before)"
     dead_tuples "$kind"
     if [[ $held == held ]]; then
         echo "    (held snapshot: xmin age $(q -c "SELECT age(backend_xmin) FROM pg_stat_activity

@@ -39,15 +39,16 @@
 # backend and sets idempotency.debug_clock_offset); run by test/run-tests (part "stress") in an empty database.
 # Settings: IDEM_STRESS_SECONDS (emitting time, default 15),
 # IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
-# 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (seconds the
-# relays keep running after the emitters stop, default 10).
+# 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (at most
+# this many seconds after the emitters stop, the relays must have delivered
+# everything, default 30).
 set -euo pipefail
 
 SECONDS_RUN=${IDEM_STRESS_SECONDS:-15}
 CLIENTS=${IDEM_STRESS_CLIENTS:-6}
 NAGGS=${IDEM_STRESS_AGGREGATES:-2000}
 ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
-DRAIN=${IDEM_STRESS_DRAIN:-10}
+DRAIN=${IDEM_STRESS_DRAIN:-30}
 LEASE='2 seconds'
 BATCH=20
 
@@ -189,9 +190,9 @@ relay() {
 ) &
 bg_pids+=($!)
 
-RELAY_SECS=$((SECONDS_RUN + DRAIN))
+RELAY_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is delivered
 echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"
-echo "  4 relays (batch $BATCH, lease $LEASE) for ${RELAY_SECS}s, relay 4 terminated mid-lease, 1 stale relay"
+echo "  4 relays (batch $BATCH, lease $LEASE) until all is delivered (at most ${DRAIN}s after the emitters), relay 4 terminated mid-lease, 1 stale relay"
 start=$SECONDS
 relay 1 "$RELAY_SECS" 0 relay1.out; r1=$!
 relay 2 "$RELAY_SECS" 0 relay2.out; r2=$!
@@ -254,15 +255,26 @@ rc=0
 wait "$emit_pid" || rc=$?
 grep -E 'processed|failed|tps|aborted' "$tmp/emit.out" | sed 's/^/  emitters: /' || true
 [[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit.out"; fail "emitters: pgbench exited with status $rc (a client got an error)"; }
+# the relays drain what is left, then stop
+drain_start=$SECONDS
+drained=f
+while ((SECONDS - drain_start < DRAIN)); do
+    drained=$(sql -c "SELECT NOT EXISTS (SELECT FROM stress_emitted s
+                                         WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id))
+                        AND (SELECT coalesce(sum(acked), 0) FROM ack_log) >= (SELECT count(*) FROM stress_emitted)")
+    [[ $drained == t ]] && break
+    sleep 0.5
+done
+echo "relays drained the outbox $((SECONDS - drain_start))s after the emitters stopped"
+[[ $drained == t ]] || fail "the relays did not deliver and ack everything within ${DRAIN}s after the emitters stopped"
 for p in "$r1" "$r2" "$r3" "${r4b:-$r4}"; do
-    rc=0
-    wait "$p" || rc=$?
-    [[ $rc -eq 0 ]] || fail "a relay's pgbench exited with status $rc"
+    kill "$p" 2>/dev/null || fail "a relay's pgbench ended before the outbox was drained"
+    wait "$p" 2>/dev/null || true
 done
 for f in "$tmp"/relay[1234].out; do
     [[ -e $f ]] || continue
     if grep -qE 'ERROR|aborted' "$f"; then
-        tail -n 10 "$f" | sed 's/^/    /'
+        grep -E "ERROR|DETAIL|aborted|error" "$f" | head -n 10 | sed "s/^/    /"
         fail "$(basename "$f" .out) reported an error"
     fi
 done
