@@ -13,7 +13,7 @@
 #   hand-written: DELETE FROM hw_outbox WHERE id IN (SELECT id ... ORDER BY
 #                 id LIMIT 100 FOR UPDATE SKIP LOCKED) RETURNING *.
 # Prints per run the events delivered per second (every 5 s, and overall
-# while a backlog was left),
+# over the intervals that ended with a backlog left and the relays running),
 # the dead tuples left (pg_stat_user_tables.n_dead_tup, and pgstattuple's
 # dead_tuple_count where that extension is available) in the event
 # partitions, the outbox's state tables and the hand-written table, and for
@@ -21,14 +21,14 @@
 #
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (test/bench/run sets them).
 # Settings: IDEM_BENCH_OUTBOX_SECONDS (per run, default 30),
-# IDEM_BENCH_OUTBOX_BACKLOG (events prefilled for idem, default 300000),
+# IDEM_BENCH_OUTBOX_BACKLOG (events prefilled for idem, default 500000),
 # IDEM_BENCH_OUTBOX_HW_BACKLOG (for the hand-written outbox, default 1500000),
 # IDEM_BENCH_OUTBOX_AGGREGATES (default 1000), IDEM_BENCH_OUTBOX_RELAYS
 # (default 4), IDEM_BENCH_OUTBOX_EMIT_RATE (events per second, default 1000).
 set -euo pipefail
 
 SECS=${IDEM_BENCH_OUTBOX_SECONDS:-30}
-BACKLOG=${IDEM_BENCH_OUTBOX_BACKLOG:-300000}
+BACKLOG=${IDEM_BENCH_OUTBOX_BACKLOG:-500000}
 HW_BACKLOG=${IDEM_BENCH_OUTBOX_HW_BACKLOG:-1500000}
 NAGG=${IDEM_BENCH_OUTBOX_AGGREGATES:-1000}
 RELAYS=${IDEM_BENCH_OUTBOX_RELAYS:-4}
@@ -147,7 +147,7 @@ dead_tuples() {
 declare -A RESULT
 # run KIND HELD: one run; sets RESULT[KIND,HELD] to events/s
 run() {
-    local kind=$1 held=$2 d0 d1 prev now t left rates=() t_last=0 d_last
+    local kind=$1 held=$2 d0 prev now left rates=()
     reset "$kind"
     if [[ $held == held ]]; then
         mkfifo "$tmp/holder.in"
@@ -165,28 +165,31 @@ run() {
     PGOPTIONS='-c synchronous_commit=off' pgbench -n -M extended -c "$RELAYS" -j "$RELAYS" -T "$SECS" \
         -f "$tmp/${kind}_relay.sql" >"$tmp/relay.out" 2>&1 &
     local rpid=$!
-    prev=$d0
-    d_last=$d0
-    for ((t = STEP; t <= SECS; t += STEP)); do
-        sleep "$STEP"
+    # sample every STEP s while the relays run; the rate counts only the
+    # intervals at whose end a backlog (more than 5 batches) was still left
+    local t0 tp tn dt secs_ok=0 deliv_ok=0
+    t0=$(date +%s.%N); tp=$t0; prev=$d0
+    while sleep "$STEP"; kill -0 "$rpid" 2>/dev/null; do
         now=$(delivered "$kind")
         left=$(pending "$kind")
-        rates+=("$(((now - prev) / STEP))$( ((left > 0)) || echo '(empty)')")
-        prev=$now
-        # the rate counts only the time while a backlog was left
-        if ((left > 0)); then t_last=$t; d_last=$now; fi
+        tn=$(date +%s.%N)
+        dt=$(awk -v a="$tp" -v b="$tn" 'BEGIN { print b - a }')
+        rates+=("$(awk -v d=$((now - prev)) -v t="$dt" 'BEGIN { printf "%.0f", d / t }')$( ((left > 500) && kill -0 "$rpid" 2>/dev/null) || echo '(not counted)')")
+        if ((left > 500)) && kill -0 "$rpid" 2>/dev/null; then
+            secs_ok=$(awk -v a="$secs_ok" -v b="$dt" 'BEGIN { print a + b }')
+            deliv_ok=$((deliv_ok + now - prev))
+        fi
+        prev=$now; tp=$tn
     done
     wait "$epid" || { cat "$tmp/emit.out"; echo "emitters failed" >&2; exit 1; }
     wait "$rpid" || { cat "$tmp/relay.out"; echo "relays failed" >&2; exit 1; }
-    if ((t_last == 0)); then
-        echo "    WARNING: the backlog ran out within ${STEP}s; raise the backlog"
-        t_last=$STEP
-        d_last=$(delivered "$kind")
+    if [[ $secs_ok == 0 ]]; then
+        echo "    WARNING: no interval with a backlog left; raise the backlog"
+        secs_ok=1
     fi
-    RESULT[$kind,$held]=$(((d_last - d0) / t_last))
+    RESULT[$kind,$held]=$(awk -v d="$deliv_ok" -v t="$secs_ok" 'BEGIN { printf "%.0f", d / t }')
     printf '  %-13s %-14s %7d events/s   (every %ds: %s)   backlog left %s\n' \
         "$kind" "$held" "${RESULT[$kind,$held]}" "$STEP" "${rates[*]}" "$(pending "$kind")"
-    [[ $(pending "$kind") -gt 0 ]] || echo "    (the backlog ran out: the rate counts the ${t_last}s before)"
     dead_tuples "$kind"
     if [[ $held == held ]]; then
         echo "    (held snapshot: xmin age $(q -c "SELECT age(backend_xmin) FROM pg_stat_activity
