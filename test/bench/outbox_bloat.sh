@@ -167,15 +167,18 @@ run() {
     local rpid=$!
     # sample every STEP s while the relays run; the rate counts only the
     # intervals at whose end a backlog (more than 5 batches) was still left
-    local t0 tp tn dt secs_ok=0 deliv_ok=0
+    local t0 tp tn dt secs_ok=0 deliv_ok=0 counted rate
     t0=$(date +%s.%N); tp=$t0; prev=$d0
     while sleep "$STEP"; kill -0 "$rpid" 2>/dev/null; do
         now=$(delivered "$kind")
         left=$(pending "$kind")
         tn=$(date +%s.%N)
         dt=$(awk -v a="$tp" -v b="$tn" 'BEGIN { print b - a }')
-        rates+=("$(awk -v d=$((now - prev)) -v t="$dt" 'BEGIN { printf "%.0f", d / t }')$( ((left > 500) && kill -0 "$rpid" 2>/dev/null) || echo '(not counted)')")
-        if ((left > 500)) && kill -0 "$rpid" 2>/dev/null; then
+        counted=''
+        if ((left > 500)) && kill -0 "$rpid" 2>/dev/null; then counted=1; fi
+        rate=$(awk -v d=$((now - prev)) -v t="$dt" 'BEGIN { printf "%.0f", d / t }')
+        if [[ -n $counted ]]; then rates+=("$rate"); else rates+=("$rate(not counted)"); fi
+        if [[ -n $counted ]]; then
             secs_ok=$(awk -v a="$secs_ok" -v b="$dt" 'BEGIN { print a + b }')
             deliv_ok=$((deliv_ok + now - prev))
         fi
