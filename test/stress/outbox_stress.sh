@@ -1,0 +1,423 @@
+#!/usr/bin/env bash
+# test/stress/outbox_stress.sh: the outbox under concurrent emitters and relays.
+#
+# Emitters (pgbench) emit events onto a zipf-skewed set of aggregates of two
+# types, 'acct' and 'cart' (idem_outbox_emit once or twice, or
+# idem_outbox_emit_many over 4 aggregates, repeats allowed, in random order)
+# and record what emit returned in stress_emitted in the same transaction;
+# ROLLBACK_PCT % of the transactions roll back.  Four relays (pgbench, one
+# client each) loop: claim a batch with a 2-second lease (relay 3 only
+# aggregate type 'acct'), "publish" it by inserting it into consumer_log in a
+# transaction of its own, then ack it with the lease token, logging what the
+# ack returned in ack_log.  Relay 4 waits between publishing and acking; its
+# backend is terminated while it waits (mid-lease), and it is started again.
+# A fifth, "stale" relay claims, publishes, sleeps past its lease and acks
+# late: the ack must mark nothing.  idem_maintain() runs every half second
+# with 1-second partitions.  After the emitters stop, the relays drain.
+# Checks:
+#   - pgbench: no emitter or relay got an error (except relay 4's
+#     termination), idem_maintain() never failed;
+#   - the committed emits (stress_emitted) and idempotency.outbox_events hold
+#     the same events (id, aggregate, seq); per aggregate seqs are 1..max
+#     without gaps or repeats, and outbox_sequences.last_seq = max;
+#   - inside one emitting transaction, the events of one aggregate have
+#     consecutive seqs in call / array order;
+#   - every committed event was published, with its payload, at least once;
+#     nothing else was published;
+#   - per aggregate, the first publications come in seq order;
+#   - every claim: one lease token, one lease_until, one relay; per aggregate
+#     a run of consecutive seqs in output order;
+#   - relay 3 published only 'acct' events;
+#   - an event was published again only if an earlier publication of it was
+#     not fully acked (acked events are never handed out again), and the acks
+#     marked every event exactly once in all (sum of ack results = events);
+#   - relay 4 was terminated holding a non-empty unacked lease, and those
+#     events were published again later by another relay;
+#   - the stale relay's late ack returned 0;
+#   - afterwards every aggregate is fully acked, and no lease is left.
+# Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (superuser: it terminates a
+# backend and sets idempotency.debug_clock_offset); run by test/run-tests (part "stress") in an empty database.
+# Settings: IDEM_STRESS_SECONDS (emitting time, default 15),
+# IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
+# 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (at most
+# this many seconds after the emitters stop, the relays must have delivered
+# everything, default 30).
+set -euo pipefail
+
+SECONDS_RUN=${IDEM_STRESS_SECONDS:-15}
+CLIENTS=${IDEM_STRESS_CLIENTS:-6}
+NAGGS=${IDEM_STRESS_AGGREGATES:-2000}
+ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
+DRAIN=${IDEM_STRESS_DRAIN:-30}
+LEASE='2 seconds'
+BATCH=20
+
+# every session runs with the extension's clock 10 days ahead, past the
+# 1-day partitions CREATE EXTENSION premade (outbox partitions do not reshape
+# when partition_interval changes), so the events go into 1-second ones
+base_options=${PGOPTIONS:-}
+export PGOPTIONS="$base_options -c idempotency.debug_clock_offset=864000"
+
+tmp=$(mktemp -d)
+bg_pids=()
+cleanup() {
+    local p
+    for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
+failed=0
+fail() { echo "FAIL: $*"; failed=1; }
+# expect_zero WHAT SQL: the query's single number must be 0
+expect_zero() {
+    local n
+    n=$(sql -c "$2")
+    if [[ $n != 0 ]]; then
+        fail "$1: $n"
+        sql -c "${3:-SELECT 'no detail query'}" | head -n 10 | sed 's/^/    /'
+    else
+        echo "ok: 0 $1"
+    fi
+}
+
+PGOPTIONS=$base_options sql >/dev/null <<'SQL'
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS idempotency;
+SELECT idem_configure(retention => '60 seconds', partition_interval => '1 second', premake => 20);
+SELECT count(*) FROM idem_maintain();
+-- what the committed emits returned: tx and pos give the call / array order
+CREATE TABLE stress_emitted (
+    tx bigint NOT NULL, pos int NOT NULL,
+    id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+    seq bigint NOT NULL, payload jsonb NOT NULL);
+-- what the relays published (n gives the publication order)
+CREATE TABLE consumer_log (
+    n bigserial PRIMARY KEY, relay int NOT NULL, lease_token uuid, lease_until timestamptz,
+    ord bigint NOT NULL, id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+    seq bigint NOT NULL, payload jsonb, attempts int,
+    published_at timestamptz NOT NULL DEFAULT clock_timestamp());
+-- what the acks returned
+CREATE TABLE ack_log (relay int NOT NULL, lease_token uuid, sent int NOT NULL, acked int NOT NULL,
+                      acked_at timestamptz NOT NULL DEFAULT clock_timestamp());
+-- each relay's current batch, as claimed
+CREATE UNLOGGED TABLE relay_batch (
+    relay int NOT NULL, ord bigint NOT NULL, id uuid, aggregate_type text, aggregate_id text,
+    seq bigint, payload jsonb, attempts int, lease_token uuid, lease_until timestamptz);
+SQL
+
+# an emitting transaction: one emit, two emits to the same aggregate, or
+# emit_many over 4 aggregates in random order (repeats allowed); type 'cart'
+# a quarter of the time; ROLLBACK_PCT % roll back
+cat >"$tmp/emit.sql" <<'PGBENCH'
+\set a random_zipfian(1, :naggs, 1.1)
+\set b random_zipfian(1, :naggs, 1.1)
+\set c random_zipfian(1, :naggs, 1.1)
+\set t random(1, 4)
+\set mode random(1, 4)
+\set r random(1, 100)
+BEGIN;
+\if :mode <= 2
+INSERT INTO stress_emitted SELECT txid_current(), 1, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
+  FROM idem_outbox_emit(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END, :a::text, 'one',
+                        jsonb_build_object('a', :a::int, 'r', :r::int)) e;
+\elif :mode = 3
+INSERT INTO stress_emitted SELECT txid_current(), 1, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
+  FROM idem_outbox_emit(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END, :a::text, 'first',
+                        jsonb_build_object('a', :a::int, 'n', 1)) e;
+INSERT INTO stress_emitted SELECT txid_current(), 2, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
+  FROM idem_outbox_emit(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END, :a::text, 'second',
+                        jsonb_build_object('a', :a::int, 'n', 2), '{"h": 1}') e;
+\else
+INSERT INTO stress_emitted SELECT txid_current(), e.ordinality, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
+  FROM idem_outbox_emit_many(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END,
+                             ARRAY[:a::text, :b::text, :a::text, :c::text],
+                             ARRAY['m1', 'm2', 'm3', 'm4'],
+                             ARRAY[jsonb_build_object('p', 1), jsonb_build_object('p', 2),
+                                   jsonb_build_object('p', 3), jsonb_build_object('p', 4)])
+       WITH ORDINALITY e;
+\endif
+\if :r <= :rollback_pct
+ROLLBACK;
+\else
+COMMIT;
+\endif
+PGBENCH
+
+# a relay round: claim (autocommit; the batch is kept in relay_batch), publish
+# (a transaction of its own), wait ack_delay ms, ack with the lease token
+cat >"$tmp/relay.sql" <<'PGBENCH'
+DELETE FROM relay_batch WHERE relay = :relay::int;
+INSERT INTO relay_batch
+  SELECT :relay::int, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
+         c.lease_token, c.lease_until
+  FROM idem_outbox_claim(:batch, :lease::interval,
+                         CASE WHEN :relay::int = 3 THEN ARRAY['acct'] END) WITH ORDINALITY c;
+SELECT count(*) AS n, coalesce(min(lease_token::text), '00000000-0000-0000-0000-000000000000') AS tok
+  FROM relay_batch WHERE relay = :relay::int \gset
+\if :n > 0
+INSERT INTO consumer_log (relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts)
+  SELECT relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts
+  FROM relay_batch WHERE relay = :relay::int ORDER BY ord;
+\if :ack_delay > 0
+\sleep :ack_delay ms
+\endif
+INSERT INTO ack_log (relay, lease_token, sent, acked)
+  SELECT :relay::int, :tok::uuid, count(*), idem_outbox_ack(array_agg(id ORDER BY ord), :tok::uuid)
+  FROM relay_batch WHERE relay = :relay::int;
+\else
+\sleep 20 ms
+\endif
+PGBENCH
+
+# relay RELAY SECONDS ACK_DELAY_MS OUT: one relay in the background ($! is
+# its pid), output to $tmp/OUT
+relay() {
+    PGAPPNAME=relay$1 PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" \
+        pgbench -n -M extended -c 1 -T "$2" -D relay="$1" -D batch="$BATCH" -D lease="$LEASE" \
+        -D ack_delay="$3" -f "$tmp/relay.sql" >"$tmp/$4" 2>&1 &
+}
+
+# maintenance alongside; any error fails the test
+(
+    while :; do
+        sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
+            || echo "idem_maintain failed" >>"$tmp/maintain.err"
+        sleep 0.5
+    done
+) &
+bg_pids+=($!)
+
+RELAY_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is delivered
+echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"
+echo "  4 relays (batch $BATCH, lease $LEASE) until all is delivered (at most ${DRAIN}s after the emitters), relay 4 terminated mid-lease, 1 stale relay"
+start=$SECONDS
+relay 1 "$RELAY_SECS" 0 relay1.out; r1=$!
+relay 2 "$RELAY_SECS" 0 relay2.out; r2=$!
+relay 3 "$RELAY_SECS" 0 relay3.out; r3=$!
+relay 4 "$RELAY_SECS" 1000 relay4-killed.out; r4=$!
+bg_pids+=("$r1" "$r2" "$r3" "$r4")
+pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" \
+    -D naggs="$NAGGS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/emit.sql" >"$tmp/emit.out" 2>&1 &
+emit_pid=$!
+bg_pids+=("$emit_pid")
+
+sleep 1
+# terminate relay 4 while it waits between publishing and acking
+killed_token=''
+end=$((SECONDS + 10))
+while ((SECONDS < end)); do
+    # (two steps: a volatile function in the WHERE clause could be evaluated
+    # before the other conditions, on any backend)
+    read -r kpid ktok <<<"$(sql -F ' ' -c "
+        SELECT t.pid, b.tok
+        FROM (SELECT pid FROM pg_stat_activity
+              WHERE application_name = 'relay4' AND state = 'idle'
+                AND query LIKE 'INSERT INTO consumer_log%') t,
+             (SELECT min(lease_token::text) AS tok, count(*) AS n FROM relay_batch WHERE relay = 4) b
+        WHERE b.n > 0")"
+    if [[ -n $kpid && $(sql -c "SELECT pg_terminate_backend($kpid)") == t ]]; then
+        killed_token=$ktok
+    fi
+    [[ -n $killed_token ]] && break
+    sleep 0.05
+done
+if [[ -n $killed_token ]]; then
+    rc=0
+    wait "$r4" || rc=$?
+    [[ $rc -ne 0 ]] || { cat "$tmp/relay4-killed.out"; fail "relay 4 did not end by the termination of its backend (status $rc)"; }
+    relay 4 "$((RELAY_SECS - (SECONDS - start)))" 0 relay4.out; r4b=$!
+    bg_pids+=("$r4b")
+fi
+
+# the stale relay: claim, publish, sleep past the lease, ack late (relay 5)
+for _ in $(seq 1 50); do
+    PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" sql <<SQL
+DELETE FROM relay_batch WHERE relay = 5;
+INSERT INTO relay_batch
+  SELECT 5, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
+         c.lease_token, c.lease_until
+  FROM idem_outbox_claim($BATCH, '$LEASE') WITH ORDINALITY c;
+INSERT INTO consumer_log (relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts)
+  SELECT relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts
+  FROM relay_batch WHERE relay = 5 ORDER BY ord;
+SQL
+    [[ $(sql -c "SELECT count(*) FROM relay_batch WHERE relay = 5") -gt 0 ]] && break
+    sleep 0.1
+done
+stale_n=$(sql -c "SELECT count(*) FROM relay_batch WHERE relay = 5")
+stale_ack=''
+if [[ $stale_n -gt 0 ]]; then
+    sleep 3     # the 2-second lease expires; the other relays may take the run over
+    stale_ack=$(sql -c "INSERT INTO ack_log (relay, lease_token, sent, acked)
+                        SELECT 5, min(lease_token::text)::uuid, count(*),
+                               idem_outbox_ack(array_agg(id ORDER BY ord), min(lease_token::text)::uuid)
+                        FROM relay_batch WHERE relay = 5 RETURNING acked")
+fi
+
+rc=0
+wait "$emit_pid" || rc=$?
+grep -E 'processed|failed|tps|aborted' "$tmp/emit.out" | sed 's/^/  emitters: /' || true
+[[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit.out"; fail "emitters: pgbench exited with status $rc (a client got an error)"; }
+# the relays drain what is left, then stop
+drain_start=$SECONDS
+drained=f
+while ((SECONDS - drain_start < DRAIN)); do
+    drained=$(sql -c "SELECT NOT EXISTS (SELECT FROM stress_emitted s
+                                         WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id))
+                        AND (SELECT coalesce(sum(acked), 0) FROM ack_log) >= (SELECT count(*) FROM stress_emitted)")
+    [[ $drained == t ]] && break
+    sleep 0.5
+done
+echo "relays drained the outbox $((SECONDS - drain_start))s after the emitters stopped"
+[[ $drained == t ]] || fail "the relays did not deliver and ack everything within ${DRAIN}s after the emitters stopped"
+for p in "$r1" "$r2" "$r3" "${r4b:-$r4}"; do
+    kill "$p" 2>/dev/null || fail "a relay's pgbench ended before the outbox was drained"
+    wait "$p" 2>/dev/null || true
+done
+for f in "$tmp"/relay[1234].out; do
+    [[ -e $f ]] || continue
+    if grep -qE 'ERROR|aborted' "$f"; then
+        grep -E "ERROR|DETAIL|aborted|error" "$f" | head -n 10 | sed "s/^/    /"
+        fail "$(basename "$f" .out) reported an error"
+    fi
+done
+kill "${bg_pids[0]}" 2>/dev/null || true     # maintenance
+if [[ -s $tmp/maintain.err ]]; then
+    head -n 5 "$tmp/maintain.err"
+    fail "idem_maintain() failed during the run"
+fi
+
+read -r emitted events published pubs claims aggs parts <<<"$(sql -F ' ' -c "
+SELECT (SELECT count(*) FROM stress_emitted),
+       (SELECT count(*) FROM idempotency.outbox_events),
+       (SELECT count(DISTINCT id) FROM consumer_log),
+       (SELECT count(*) FROM consumer_log),
+       (SELECT count(DISTINCT lease_token) FROM consumer_log),
+       (SELECT count(*) FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM stress_emitted) x),
+       (SELECT count(DISTINCT tableoid) FROM idempotency.outbox_events)")"
+echo "committed events: $emitted on $aggs aggregates (outbox_events: $events rows in $parts partitions)"
+echo "published: $published distinct events in $pubs publications from $claims claims"
+echo "relay 4 terminated holding lease ${killed_token:-<none>}; stale relay: $stale_n events, late ack returned '${stale_ack}'"
+
+[[ $emitted -ge 1000 ]] || fail "only $emitted committed events: too few to mean anything"
+[[ $parts -ge 3 ]] || fail "events landed in $parts partition(s), expected several (1-second partitions)"
+
+expect_zero "committed emits missing from outbox_events" \
+    "SELECT count(*) FROM stress_emitted s WHERE NOT EXISTS (SELECT FROM idempotency.outbox_events e
+       WHERE e.id = s.id AND e.aggregate_type = s.aggregate_type AND e.aggregate_id = s.aggregate_id AND e.seq = s.seq)" \
+    "SELECT * FROM stress_emitted s WHERE NOT EXISTS (SELECT FROM idempotency.outbox_events e WHERE e.id = s.id) LIMIT 5"
+expect_zero "events in outbox_events that no committed emit returned" \
+    "SELECT count(*) FROM idempotency.outbox_events e WHERE NOT EXISTS (SELECT FROM stress_emitted s
+       WHERE e.id = s.id AND e.aggregate_type = s.aggregate_type AND e.aggregate_id = s.aggregate_id AND e.seq = s.seq)"
+expect_zero "event ids stored twice" \
+    "SELECT count(*) FROM (SELECT id FROM idempotency.outbox_events GROUP BY id HAVING count(*) > 1) x"
+expect_zero "aggregates whose seqs are not exactly 1..max" \
+    "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id FROM idempotency.outbox_events
+       GROUP BY 1, 2 HAVING min(seq) <> 1 OR max(seq) <> count(*) OR count(DISTINCT seq) <> count(*)) x" \
+    "SELECT aggregate_type, aggregate_id, min(seq), max(seq), count(*), count(DISTINCT seq) FROM idempotency.outbox_events
+       GROUP BY 1, 2 HAVING min(seq) <> 1 OR max(seq) <> count(*) OR count(DISTINCT seq) <> count(*) LIMIT 5"
+expect_zero "aggregates whose outbox_sequences.last_seq is not their max seq" \
+    "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m FROM idempotency.outbox_events GROUP BY 1, 2) e
+       FULL JOIN idempotency.outbox_sequences q USING (aggregate_type, aggregate_id)
+       WHERE q.last_seq IS DISTINCT FROM e.m"
+expect_zero "emitting transactions whose events of one aggregate are not consecutive seqs in call order" \
+    "SELECT count(*) FROM (SELECT seq - lag(seq) OVER w AS d FROM stress_emitted
+       WINDOW w AS (PARTITION BY tx, aggregate_type, aggregate_id ORDER BY pos)) x WHERE d <> 1"
+expect_zero "committed events never published" \
+    "SELECT count(*) FROM stress_emitted s WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id)" \
+    "SELECT s.aggregate_type, s.aggregate_id, s.seq, d.acked_seq, d.leased_seq, d.lease_until, d.dead_seq, d.retry_at
+       FROM stress_emitted s LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+       WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id) LIMIT 5"
+expect_zero "publications of events that no committed emit returned, or with another aggregate, seq or payload" \
+    "SELECT count(*) FROM consumer_log c WHERE NOT EXISTS (SELECT FROM stress_emitted s
+       WHERE s.id = c.id AND s.aggregate_type = c.aggregate_type AND s.aggregate_id = c.aggregate_id
+         AND s.seq = c.seq AND s.payload = c.payload)"
+expect_zero "aggregates whose first publications are not in seq order" \
+    "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, seq, lag(seq) OVER w AS prev
+         FROM (SELECT aggregate_type, aggregate_id, seq, min(n) AS first_n FROM consumer_log GROUP BY 1, 2, 3) f
+         WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY first_n)) x
+       WHERE seq <> coalesce(prev, 0) + 1" \
+    "SELECT aggregate_type, aggregate_id, seq, prev FROM (SELECT aggregate_type, aggregate_id, seq, lag(seq) OVER w AS prev
+         FROM (SELECT aggregate_type, aggregate_id, seq, min(n) AS first_n FROM consumer_log GROUP BY 1, 2, 3) f
+         WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY first_n)) x
+       WHERE seq <> coalesce(prev, 0) + 1 LIMIT 5"
+expect_zero "claims whose rows carry more than one lease token / lease_until / relay" \
+    "SELECT count(*) FROM (SELECT lease_token FROM consumer_log GROUP BY 1
+       HAVING count(DISTINCT lease_until) <> 1 OR count(DISTINCT relay) <> 1 OR lease_token IS NULL) x"
+expect_zero "claims whose run of an aggregate is not consecutive seqs in output order" \
+    "SELECT count(*) FROM (SELECT seq - lag(seq) OVER w AS d, ord - lag(ord) OVER w AS o FROM consumer_log
+       WINDOW w AS (PARTITION BY lease_token, aggregate_type, aggregate_id ORDER BY ord)) x WHERE d <> 1"
+expect_zero "claims that interleave aggregates (a run is not contiguous in the output)" \
+    "SELECT count(*) FROM (SELECT lease_token, aggregate_type, aggregate_id FROM consumer_log
+       GROUP BY 1, 2, 3 HAVING max(ord) - min(ord) + 1 <> count(*)) x"
+expect_zero "publications with attempts < 1" "SELECT count(*) FROM consumer_log WHERE NOT attempts >= 1"
+expect_zero "claims larger than the batch" \
+    "SELECT count(*) FROM (SELECT lease_token FROM consumer_log GROUP BY 1 HAVING count(*) > $BATCH) x"
+expect_zero "events of type 'cart' published by relay 3 (restricted to 'acct')" \
+    "SELECT count(*) FROM consumer_log WHERE relay = 3 AND aggregate_type <> 'acct'"
+expect_zero "re-publications of an event whose earlier publication was fully acked" \
+    "SELECT count(*) FROM consumer_log c WHERE EXISTS (
+       SELECT FROM consumer_log p JOIN ack_log a ON a.lease_token = p.lease_token
+       WHERE p.id = c.id AND p.n < c.n AND a.acked = a.sent)" \
+    "SELECT c.relay, c.aggregate_id, c.seq, p.relay, a.* FROM consumer_log c JOIN consumer_log p ON p.id = c.id AND p.n < c.n
+       JOIN ack_log a ON a.lease_token = p.lease_token WHERE a.acked = a.sent LIMIT 5"
+acked_sum=$(sql -c "SELECT coalesce(sum(acked), 0) FROM ack_log")
+[[ $acked_sum -eq $emitted ]] && echo "ok: the acks marked $acked_sum events, one per committed event" \
+    || fail "the acks marked $acked_sum events in all, but $emitted events were committed (each must be marked exactly once)"
+expect_zero "aggregates not fully acked at the end, or parked or dead" \
+    "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m FROM stress_emitted GROUP BY 1, 2) e
+       LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+       WHERE d.acked_seq IS DISTINCT FROM e.m OR d.dead_seq IS NOT NULL OR d.retry_at IS NOT NULL" \
+    "SELECT e.*, d.* FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m FROM stress_emitted GROUP BY 1, 2) e
+       LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+       WHERE d.acked_seq IS DISTINCT FROM e.m OR d.dead_seq IS NOT NULL OR d.retry_at IS NOT NULL LIMIT 5"
+expect_zero "dead-lettered events" "SELECT count(*) FROM idempotency.outbox_dead"
+expect_zero "a claim now still returns events" "SELECT count(*) FROM idem_outbox_claim(1000, '1 second')"
+
+if [[ -z $killed_token ]]; then
+    fail "relay 4 was never caught between publishing and acking (not terminated mid-lease)"
+else
+    expect_zero "relay 4's terminated lease has an ack" \
+        "SELECT count(*) FROM ack_log WHERE lease_token = '$killed_token'"
+    kn=$(sql -c "SELECT count(*) FROM consumer_log WHERE lease_token = '$killed_token'")
+    [[ $kn -gt 0 ]] && echo "ok: relay 4 was terminated after publishing $kn events unacked" \
+        || fail "relay 4's terminated lease published nothing"
+    expect_zero "events of relay 4's terminated lease not published again by another relay" \
+        "SELECT count(*) FROM consumer_log k WHERE k.lease_token = '$killed_token'
+           AND NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = k.id AND c.n > k.n AND c.lease_token <> k.lease_token)"
+    # the head of each aggregate of that lease did not move (never acked), so
+    # its next hand-out counts one more attempt
+    expect_zero "heads of relay 4's terminated lease handed out again without a higher attempts count" \
+        "SELECT count(*) FROM (SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, seq, attempts
+                               FROM consumer_log WHERE lease_token = '$killed_token'
+                               ORDER BY aggregate_type, aggregate_id, seq) k
+           WHERE (SELECT c.attempts FROM consumer_log c WHERE c.id = (SELECT id FROM consumer_log x
+                    WHERE x.lease_token = '$killed_token' AND x.aggregate_type = k.aggregate_type
+                      AND x.aggregate_id = k.aggregate_id AND x.seq = k.seq)
+                    AND c.lease_token <> '$killed_token' AND c.n > (SELECT min(n) FROM consumer_log
+                      WHERE lease_token = '$killed_token')
+                  ORDER BY c.n LIMIT 1) IS DISTINCT FROM k.attempts + 1" \
+        "SELECT n, relay, lease_token, aggregate_type, aggregate_id, seq, attempts FROM consumer_log c
+           WHERE (aggregate_type, aggregate_id) IN (SELECT aggregate_type, aggregate_id FROM consumer_log
+                                                   WHERE lease_token = '$killed_token') ORDER BY n LIMIT 10"
+fi
+if [[ $stale_n -gt 0 ]]; then
+    [[ $stale_ack == 0 ]] && echo "ok: the stale relay's late ack returned 0" \
+        || fail "the stale relay's ack after its lease expired returned '$stale_ack', expected 0"
+    expect_zero "events of the stale relay's lease not published again" \
+        "SELECT count(*) FROM relay_batch k WHERE k.relay = 5
+           AND NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = k.id AND c.relay <> 5)"
+else
+    fail "the stale relay never got a batch"
+fi
+dups=$(sql -c "SELECT count(*) - count(DISTINCT id) FROM consumer_log")
+echo "re-publications (at-least-once): $dups"
+
+if [[ $failed -ne 0 ]]; then
+    echo "outbox stress: FAILED"
+    exit 1
+fi
+echo "outbox stress: ok"
