@@ -173,6 +173,12 @@ SELECT count(*) AS outside_their_range
   FROM idempotency.outbox_events e JOIN idempotency.outbox_partitions p ON p.bucket = e.bucket
  WHERE NOT (p.lower <= e.created_at AND e.created_at < p.upper);
 SELECT idem_configure(retention => '1 day', partition_interval => '1 hour', premake => 2);
+-- the outbox follows the new width at once (registry ranges only): the
+-- current partition ends at the next hour, the premade ones are an hour wide
+SELECT count(*) AS premade_of_another_width FROM idempotency.outbox_partitions
+ WHERE lower > now() AND upper - lower <> interval '1 hour';
+SELECT upper - now() <= interval '1 hour 1 second' AS current_ends_within_the_hour
+  FROM idempotency.outbox_partitions WHERE lower <= now() AND now() < upper;
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r
  WHERE next_lower IS NOT NULL AND next_lower <> upper;

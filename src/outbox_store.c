@@ -212,55 +212,75 @@ set_range(OutboxPartition *p, TimestampTz lower, TimestampTz upper)
  * DDL; events already in a partition keep it for the retention after the
  * newest of them.
  */
+static OutboxPartition *
+current_partition(OutboxRound *r, OutboxPartition *parts, int n)
+{
+	OutboxPartition *cur = NULL;
+
+	for (int i = 0; i < n; i++)
+		if (parts[i].lower <= r->now && r->now < parts[i].upper &&
+			(cur == NULL || parts[i].lower > cur->lower))
+			cur = &parts[i];
+	return cur;
+}
+
+/* The current partition is wider than the setting and reaches past the grid. */
+static bool
+current_too_long(OutboxRound *r, OutboxPartition *cur)
+{
+	int64		iv = r->s->interval * USECS_PER_SEC;
+
+	return cur != NULL && cur->upper - cur->lower != iv &&
+		cur->upper > idem_next_boundary(r->now, r->s->interval);
+}
+
+/* A premade partition has another width than the setting. */
+static bool
+premade_misshapen(OutboxRound *r, OutboxPartition *parts, int n)
+{
+	int64		iv = r->s->interval * USECS_PER_SEC;
+
+	for (int i = 0; i < n; i++)
+		if (parts[i].lower > r->now && parts[i].upper - parts[i].lower != iv)
+			return true;
+	return false;
+}
+
 static bool
 reshape_one(void *arg)
 {
 	ReshapeCall *c = arg;
 	OutboxRound *r = c->r;
 	int64		iv = r->s->interval * USECS_PER_SEC;
-	TimestampTz next = idem_next_boundary(r->now, r->s->interval);
-	TimestampTz cursor = next;
-	bool		changed = false;
+	OutboxPartition *cur = current_partition(r, c->parts, c->n);
+	TimestampTz cursor;
 
-	for (int i = 0; i < c->n; i++)
+	if (current_too_long(r, cur))
+		set_range(cur, cur->lower, idem_next_boundary(r->now, r->s->interval));
+	cursor = cur != NULL ? cur->upper : idem_next_boundary(r->now, r->s->interval);
+	if (premade_misshapen(r, c->parts, c->n))
 	{
-		OutboxPartition *p = &c->parts[i];
-
-		if (p->lower <= r->now && r->now < p->upper && p->upper > next &&
-			p->upper - p->lower != iv)
+		/* parts are sorted by lower: the premade ones follow in order */
+		for (int i = 0; i < c->n; i++)
 		{
-			set_range(p, p->lower, next);
-			changed = true;
-		}
-	}
-	for (int i = 0; i < c->n; i++)
-	{
-		OutboxPartition *p = &c->parts[i];
+			OutboxPartition *p = &c->parts[i];
 
-		if (p->lower <= r->now)
-			continue;
-		if (p->lower != cursor || p->upper != cursor + iv)
-		{
+			if (p->lower <= r->now)
+				continue;
 			set_range(p, cursor, cursor + iv);
-			changed = true;
+			cursor += iv;
 		}
-		cursor += iv;
 	}
-	if (changed)
-		idem_report_action(r->rep, "reshape", IDEM_SCHEMA ".outbox_events");
-	return changed;
+	idem_report_action(r->rep, "reshape", IDEM_SCHEMA ".outbox_events");
+	return true;
 }
 
-/* Does any partition not yet passed have another width than the setting? */
+/* Does the current or a premade partition have another width than the setting? */
 static bool
 needs_reshape(OutboxRound *r, OutboxPartition *parts, int n)
 {
-	int64		iv = r->s->interval * USECS_PER_SEC;
-
-	for (int i = 0; i < n; i++)
-		if (parts[i].upper > r->now && parts[i].upper - parts[i].lower != iv)
-			return true;
-	return false;
+	return current_too_long(r, current_partition(r, parts, n)) ||
+		premade_misshapen(r, parts, n);
 }
 
 /*
