@@ -17,8 +17,9 @@
 --   * new configuration tables: pg_extension_config_dump() here as well;
 --   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
 -- Fragments of sql/ext/ that are new in 1.1 as a whole (the outbox,
--- sql/ext/40_outbox.sql) are not copied here: the Makefile appends them
--- when it builds the installed script (NEW_IN_VERSION).
+-- sql/ext/40_outbox.sql, and the partitions view, sql/ext/45_partitions.sql)
+-- are not copied here: the Makefile appends them when it builds the
+-- installed script (NEW_IN_VERSION).
 -- Existing claim partitions are ordinary tables, not extension members: if
 -- their shape changes, alter them here as well.
 -- test/tap/040_upgrade.pl installs 1.0 with claims, settings, sealed
@@ -102,25 +103,6 @@ CREATE FUNCTION idempotency.current_settings(
 COMMENT ON FUNCTION idempotency.current_settings() IS
     'retention, partition_interval and premake in force (the defaults when none were configured)';
 
--- the partitions view gains columns in the middle: drop and create it
+-- the partitions view gains columns in the middle: drop it; sql/ext/
+-- 45_partitions.sql, appended by the Makefile, creates the 1.1 one
 DROP VIEW idempotency.partitions;
-CREATE VIEW idempotency.partitions AS
-SELECT r.relid AS partition,
-       r.lower,
-       r.upper,
-       CASE
-           WHEN r.sealed AND (r.nkeys = 0
-                 OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
-           WHEN r.sealed THEN 'sealed'
-           WHEN r.lower > now() THEN 'future'
-           WHEN now() < r.upper THEN 'current'
-           ELSE 'sealing'
-       END AS state,
-       r.nkeys AS claims,
-       r.max_claimed_at AS newest_claim,
-       r.bloom IS NOT NULL AS has_bloom_filter,
-       pg_catalog.pg_total_relation_size(r.relid) AS bytes
-FROM idempotency.partition_registry r
-CROSS JOIN idempotency.current_settings() s;
-COMMENT ON VIEW idempotency.partitions IS
-    'time partitions of idempotency.claims with range, state and size';

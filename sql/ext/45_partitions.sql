@@ -1,0 +1,51 @@
+-- The partitions view: every time partition of the claims and the outbox.
+--
+-- Claims partitions (store 'claims'): future (premade), current (takes
+-- claims now), sealing (its range has passed; the next maintenance round
+-- seals it), sealed (takes no more claims; checked through its Bloom
+-- filter), expired (sealed, and its newest claim -- or its upper bound, if
+-- later -- is older than the retention window, or it is empty; dropped by
+-- the next round that can lock it).
+--
+-- Outbox partitions (store 'outbox'): future, current, sealed (its range
+-- has passed; kept for the retention), pinned (past its retention, but it
+-- holds an undelivered or dead-lettered event), expired (dropped by the next
+-- round that can lock it).
+--
+-- This fragment replaces the 1.0 view as a whole: the upgrade script drops
+-- that one and the Makefile appends this file to it.
+CREATE VIEW idempotency.partitions AS
+SELECT r.relid AS partition,
+       r.lower,
+       r.upper,
+       CASE
+           WHEN r.sealed AND (r.nkeys = 0
+                 OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
+           WHEN r.sealed THEN 'sealed'
+           WHEN r.lower > now() THEN 'future'
+           WHEN now() < r.upper THEN 'current'
+           ELSE 'sealing'
+       END AS state,
+       r.nkeys AS claims,
+       r.max_claimed_at AS newest_claim,
+       r.bloom IS NOT NULL AS has_bloom_filter,
+       pg_catalog.pg_total_relation_size(r.relid) AS bytes,
+       'claims'::text AS store
+FROM idempotency.partition_registry r
+CROSS JOIN idempotency.current_settings() s
+UNION ALL
+SELECT o.relid, o.lower, o.upper,
+       CASE
+           WHEN o.lower > now() THEN 'future'
+           WHEN now() < o.upper THEN 'current'
+           WHEN o.upper > now() - s.retention THEN 'sealed'
+           WHEN idempotency.outbox_partition_pinned(o.relid) THEN 'pinned'
+           ELSE 'expired'
+       END,
+       NULL, NULL, false,
+       pg_catalog.pg_total_relation_size(o.relid),
+       'outbox'
+FROM idempotency.outbox_partitions o
+CROSS JOIN idempotency.current_settings() s;
+COMMENT ON VIEW idempotency.partitions IS
+    'time partitions of idempotency.claims and idempotency.outbox_events with range, state and size';
