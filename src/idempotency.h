@@ -178,6 +178,7 @@ extern bool idem_run_guarded(MaintainReport *rep, const char *verb, const char *
 							 IdemGuardedAction fn, void *arg);
 extern void idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected);
 extern void idem_exec_ddl_as_data(const char *sql);
+extern void idem_forget_missing(MaintainReport *rep, const char *registry);
 extern char *idem_partition_name(const char *prefix, TimestampTz lower);
 extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 

@@ -94,20 +94,6 @@ typedef struct OutboxRound
 	Oid			parent;
 } OutboxRound;
 
-/* Forget registry rows whose table was dropped by hand. */
-static void
-forget_missing(OutboxRound *r)
-{
-	if (SPI_execute("DELETE FROM idempotency.outbox_partitions o"
-					" WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = o.relid)"
-					" RETURNING o.relid::pg_catalog.oid::pg_catalog.text",
-					false, 0) != SPI_OK_DELETE_RETURNING)
-		elog(ERROR, "could not update idempotency.outbox_partitions");
-	for (uint64 i = 0; i < SPI_processed; i++)
-		idem_report_action(r->rep, "forget missing partition",
-						   SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
-}
-
 static OutboxPartition *
 read_partitions(int *n)
 {
@@ -427,7 +413,7 @@ idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now
 	if (!OidIsValid(r.parent))
 		return;
 
-	forget_missing(&r);
+	idem_forget_missing(rep, "outbox_partitions");
 	parts = read_partitions(&n);
 	if (needs_reshape(&r, parts, n))
 	{

@@ -270,7 +270,7 @@ run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
 	PartitionActionCall call = {r, fn, p, partition_name(p->relid)};
 
 	if (call.name == NULL)
-		return false;			/* dropped by hand: forget_missing() sees to it */
+		return false;			/* dropped by hand: idem_forget_missing() sees to it */
 	return idem_run_guarded(r->rep, verb, call.name, call_partition_action, &call);
 }
 
@@ -540,18 +540,22 @@ reshape_partitions(Round *r)
 	}
 }
 
-/* Forget registry entries whose table was dropped by hand. */
-static void
-forget_missing(Round *r)
+/*
+ * Forget the rows of a registry (idempotency.<registry>, keyed by relid)
+ * whose table was dropped by hand.
+ */
+void
+idem_forget_missing(MaintainReport *rep, const char *registry)
 {
-	if (SPI_execute("DELETE FROM idempotency.partition_registry reg"
-					" WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = reg.relid)"
-					" RETURNING reg.relid::pg_catalog.oid::pg_catalog.text",
+	if (SPI_execute(psprintf("DELETE FROM %s.%s reg"
+							 " WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = reg.relid)"
+							 " RETURNING reg.relid::pg_catalog.oid::pg_catalog.text",
+							 IDEM_SCHEMA, registry),
 					false, 0) != SPI_OK_DELETE_RETURNING)
-		elog(ERROR, "could not update idempotency.partition_registry");
+		elog(ERROR, "could not update %s.%s", IDEM_SCHEMA, registry);
 	for (uint64 i = 0; i < SPI_processed; i++)
-		idem_report_action(r->rep, "forget missing partition",
-					  SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
+		idem_report_action(rep, "forget missing partition",
+						   SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
 }
 
 /* Take the maintenance lock; false if busy and not waiting. */
@@ -592,7 +596,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	r.rep = rep;
 	r.s = idem_read_settings(GetLatestSnapshot());
 	r.now = idem_now();
-	forget_missing(&r);
+	idem_forget_missing(rep, "partition_registry");
 
 	/* each step works from the registry as the previous one left it */
 	r.set = idem_partition_set_fresh();
