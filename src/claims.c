@@ -455,9 +455,7 @@ typedef struct OpenPart
 	TupleTableSlot *slot;
 	IndexScanDesc scan;			/* NULL until the first probe */
 	Snapshot	scan_snap;		/* the snapshot scan was begun with */
-	int			nindexes;		/* inserts: every index of the partition */
-	Relation   *indexes;
-	IndexInfo **infos;
+	IdemIndexSet ins;			/* inserts: every index of the partition */
 } OpenPart;
 
 typedef struct ClaimCall
@@ -497,49 +495,12 @@ claim_call_close(ClaimCall *call)
 			index_endscan(op->scan);
 		if (op->slot != NULL)
 			ExecDropSingleTupleTableSlot(op->slot);
-		for (int j = 0; j < op->nindexes; j++)
-			index_close(op->indexes[j], NoLock);
+		idem_close_insert_indexes(&op->ins);
 		if (op->index != NULL)
 			index_close(op->index, NoLock);
 		relation_close(op->heap, NoLock);
 	}
 	call->nparts = 0;
-}
-
-/*
- * Open every index of a partition for inserts.  Indexes with expressions or
- * a predicate are refused: claims write index entries themselves.
- */
-static void
-open_insert_indexes(OpenPart *op)
-{
-	List	   *oids = RelationGetIndexList(op->heap);
-	ListCell   *lc;
-
-	op->indexes = palloc(sizeof(Relation) * Max(list_length(oids), 1));
-	op->infos = palloc(sizeof(IndexInfo *) * Max(list_length(oids), 1));
-	op->nindexes = 0;
-	foreach(lc, oids)
-	{
-		Relation	index = index_open(lfirst_oid(lc), RowExclusiveLock);
-		IndexInfo  *info = BuildIndexInfo(index);
-
-		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL)
-			ereport(ERROR,
-					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-					 errmsg("claims partition \"%s\" has index \"%s\" with expressions or a predicate",
-							RelationGetRelationName(op->heap), RelationGetRelationName(index)),
-					 errdetail("idem_claim() maintains only indexes on plain columns."),
-					 errhint("Drop the index, or index the columns themselves.")));
-		if (!info->ii_ReadyForInserts)
-		{
-			index_close(index, NoLock);
-			continue;
-		}
-		op->indexes[op->nindexes] = index;
-		op->infos[op->nindexes++] = info;
-	}
-	list_free(oids);
 }
 
 /* Open the (scope, key) index and a slot, the first time they are needed. */
@@ -585,7 +546,7 @@ open_part(ClaimCall *call, IdemPartition *part, LOCKMODE mode)
 	if (mode == RowExclusiveLock)
 	{
 		open_part_index(op, part);
-		open_insert_indexes(op);
+		idem_open_insert_indexes(op->heap, &op->ins, "claims partition");
 	}
 	MemoryContextSwitchTo(oldcxt);
 	return op;
@@ -730,43 +691,6 @@ value_locktag(LOCKTAG *tag, ClaimKey *ck)
 
 /*---- claiming ----*/
 
-/* Insert into every index of the partition. */
-static void
-insert_index_entries(OpenPart *op, Datum *values, bool *nulls, ItemPointer tid)
-{
-	Oid			uniqueid = RelationGetRelid(op->index);
-
-	for (int i = 0; i < op->nindexes; i++)
-	{
-		Relation	index = op->indexes[i];
-		IndexInfo  *info = op->infos[i];
-		Datum		ivalues[INDEX_MAX_KEYS];
-		bool		inulls[INDEX_MAX_KEYS];
-
-		for (int j = 0; j < info->ii_NumIndexAttrs; j++)
-		{
-			AttrNumber	att = info->ii_IndexAttrNumbers[j];
-
-			if (att <= 0 || att > RelationGetDescr(op->heap)->natts)
-				elog(ERROR, "unexpected column %d in index \"%s\"", att,
-					 RelationGetRelationName(index));
-			ivalues[j] = values[att - 1];
-			inulls[j] = nulls[att - 1];
-		}
-
-		/*
-		 * In the (scope, key) index the uniqueness check is a second line of
-		 * defence: under the value lock no duplicate can exist, so it never
-		 * fires unless the protocol is broken, and then an error beats a
-		 * doubled effect.
-		 */
-		index_insert(index, ivalues, inulls, tid, op->heap,
-					 (RelationGetRelid(index) == uniqueid || info->ii_Unique) ?
-					 UNIQUE_CHECK_YES : UNIQUE_CHECK_NO,
-					 false, info);
-	}
-}
-
 typedef enum InsertResult
 {
 	INSERT_DONE,
@@ -785,7 +709,6 @@ insert_claim(ClaimCall *call, IdemPartition *part, uint64 generation, ClaimKey *
 	OpenPart   *op;
 	Datum	   *values;
 	bool	   *nulls;
-	HeapTuple	tup;
 	TupleDesc	desc;
 
 	op = open_part(call, part, RowExclusiveLock);
@@ -827,11 +750,13 @@ insert_claim(ClaimCall *call, IdemPartition *part, uint64 generation, ClaimKey *
 		nulls[Anum_claims_digest - 1] = false;
 	}
 
-	tup = heap_form_tuple(desc, values, nulls);
-	heap_insert(op->heap, tup, GetCurrentCommandId(true), 0, NULL);
-	insert_index_entries(op, values, nulls, &tup->t_self);
-
-	heap_freetuple(tup);
+	/*
+	 * In the (scope, key) index the uniqueness check is a second line of
+	 * defence: under the value lock no duplicate can exist, so it never
+	 * fires unless the protocol is broken, and then an error beats a doubled
+	 * effect.
+	 */
+	idem_insert_row(&op->ins, values, nulls, RelationGetRelid(op->index));
 	pfree(values);
 	pfree(nulls);
 	return INSERT_DONE;

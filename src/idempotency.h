@@ -71,6 +71,22 @@ extern int	idem_pin_search_path(void);
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);
 
+/*---- rows.c: rows written without the executor ----*/
+
+typedef struct IdemIndexSet
+{
+	Relation	heap;
+	int			n;
+	Relation   *indexes;
+	struct IndexInfo **infos;
+} IdemIndexSet;
+
+extern void idem_open_insert_indexes(Relation heap, IdemIndexSet *set, const char *what);
+extern void idem_close_insert_indexes(IdemIndexSet *set);
+extern void idem_insert_index_entries(IdemIndexSet *set, Datum *values, bool *nulls,
+									  ItemPointer tid, Oid unique_index);
+extern void idem_insert_row(IdemIndexSet *set, Datum *values, bool *nulls, Oid unique_index);
+
 /*---- partitions.c: the partition registry and its per-backend cache ----*/
 
 typedef struct IdemPartition
@@ -192,7 +208,7 @@ extern void idem_outbox_init(void);
 extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
 								 FullTransactionId *txid);
 extern void idem_outbox_store_init(void);
-extern int32 idem_outbox_target_bucket(TimestampTz now);
+extern int32 idem_outbox_target_bucket(TimestampTz now, Oid *relid);
 extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
 /* worker.c: the maintenance background worker */

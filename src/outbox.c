@@ -55,6 +55,7 @@
  */
 #include "idempotency.h"
 
+#include "access/table.h"
 #include "access/transam.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
@@ -67,6 +68,7 @@
 #include "miscadmin.h"
 #include "replication/message.h"
 #include "storage/itemptr.h"
+#include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datetime.h"
@@ -247,16 +249,10 @@ idem_outbox_init(void)
 
 #define EVENT_COLUMNS \
 	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
-/* no RETURNING: emitting needs no SELECT privilege on the events */
-#define INSERT_EVENT_FROM_S \
-	"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")" \
-	" SELECT $3, $1, $2, s.last_seq, $4, $5, $6, $7, $8, $9 FROM s"
 
 typedef enum
 {
-	ST_EMIT_NEXT,
 	ST_EMIT_NEXT_SEQ,
-	ST_EMIT,
 	ST_EMIT_SEQ,
 	ST_RESERVE,
 	ST_INSERT_MANY,
@@ -288,27 +284,10 @@ typedef struct OutboxPlan
 
 static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
-	[ST_EMIT_NEXT] = {
-		"WITH s AS (" NEXT_SEQ "), "
-		" e AS (" INSERT_EVENT_FROM_S ")"
-		" SELECT last_seq FROM s",
-		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
-	},
 	[ST_EMIT_NEXT_SEQ] = {
 		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
 	},
 	/* otherwise (none updated): make the counter, or take it over from a racer */
-	[ST_EMIT] = {
-		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
-		" VALUES ($1, $2, 1)"
-		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
-		" RETURNING q.last_seq), "
-		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") "), "
-		" e AS (" INSERT_EVENT_FROM_S ")"
-		" SELECT last_seq FROM s",
-		9, {TEXTOID, TEXTOID, UUIDOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID, XID8OID, INT4OID}
-	},
 	[ST_EMIT_SEQ] = {
 		"WITH s AS ("
 		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
@@ -853,14 +832,73 @@ emitting_transaction(void)
 	return GetTopFullTransactionId();
 }
 
+/* columns of idempotency.outbox_events and its partitions, in order */
+#define Natts_outbox_events	10
+static const char *const event_column_names[Natts_outbox_events] = {
+	"id", "aggregate_type", "aggregate_id", "seq", "event_type", "payload", "headers",
+	"created_at", "txid", "bucket"
+};
+
+/*
+ * Write an event straight into its partition (rows.c), without an
+ * executor: partition routing and executor start-up were most of an emit.
+ * Nothing reads the row back, so emitting needs only INSERT on the events;
+ * the partition is checked for the columns it must have.
+ */
+static void
+insert_event(Oid partition, int32 bucket, FullTransactionId txid, const OutboxEvent *ev)
+{
+	Relation	rel = try_table_open(partition, RowExclusiveLock);
+	TupleDesc	desc;
+	IdemIndexSet ins;
+	Datum		values[Natts_outbox_events];
+	bool		nulls[Natts_outbox_events] = {false};
+	AclResult	acl;
+
+	if (rel == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the outbox partition for bucket %d is gone", bucket),
+				 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
+	/* routed inserts check the parent's privilege: so do we */
+	acl = pg_class_aclcheck(idem_internal_relid("outbox_events"), GetUserId(), ACL_INSERT);
+	if (acl != ACLCHECK_OK)
+		aclcheck_error(acl, OBJECT_TABLE, "outbox_events");
+	desc = RelationGetDescr(rel);
+	if (desc->natts != Natts_outbox_events)
+		elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
+			 RelationGetRelationName(rel));
+	for (int i = 0; i < Natts_outbox_events; i++)
+		if (TupleDescAttr(desc, i)->attisdropped ||
+			strcmp(NameStr(TupleDescAttr(desc, i)->attname), event_column_names[i]) != 0)
+			elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
+				 RelationGetRelationName(rel));
+
+	values[0] = UUIDPGetDatum(&ev->id);
+	values[1] = CStringGetTextDatum(ev->aggregate_type);
+	values[2] = CStringGetTextDatum(ev->aggregate_id);
+	values[3] = Int64GetDatum(ev->seq);
+	values[4] = CStringGetTextDatum(ev->event_type);
+	values[5] = JsonbPGetDatum(ev->payload);
+	values[6] = JsonbPGetDatum(ev->headers);
+	values[7] = TimestampTzGetDatum(ev->created_at);
+	values[8] = FullTransactionIdGetDatum(txid);
+	values[9] = Int32GetDatum(bucket);
+	idem_open_insert_indexes(rel, &ins, "outbox partition");
+	idem_insert_row(&ins, values, nulls, InvalidOid);
+	idem_close_insert_indexes(&ins);
+	table_close(rel, NoLock);
+}
+
 Datum
 idem_outbox_emit(PG_FUNCTION_ARGS)
 {
 	OutboxEvent ev;
 	TupleDesc	desc = event_tupdesc(fcinfo);
-	Datum		values[9];
+	Datum		values[2];
 	uint64		n;
 	int32		bucket;
+	Oid			partition;
 	FullTransactionId txid;
 
 	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
@@ -874,37 +912,23 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	ev.created_at = event_time(txid);
 
 	SPI_connect();
-	bucket = idem_outbox_target_bucket(ev.created_at);
+	bucket = idem_outbox_target_bucket(ev.created_at, &partition);
 	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
-	if (outbox_mode == MODE_WAL)
-	{
-		n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
-		if (n == 0)
-			n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
-	}
-	else
-	{
-		values[2] = UUIDPGetDatum(&ev.id);
-		values[3] = CStringGetTextDatum(ev.event_type);
-		values[4] = JsonbPGetDatum(ev.payload);
-		values[5] = JsonbPGetDatum(ev.headers);
-		values[6] = TimestampTzGetDatum(ev.created_at);
-		values[7] = FullTransactionIdGetDatum(txid);
-		values[8] = Int32GetDatum(bucket);
-		n = outbox_exec(ST_EMIT_NEXT, values, NULL, SPI_OK_SELECT);
-		if (n == 0)
-			n = outbox_exec(ST_EMIT, values, NULL, SPI_OK_SELECT);
-	}
+	n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
+	if (n == 0)
+		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
 	if (n != 1)
-		elog(ERROR, "outbox emit wrote " UINT64_FORMAT " rows", n);
+		elog(ERROR, "outbox emit took " UINT64_FORMAT " seqs", n);
 	{
 		bool		isnull;
 
 		ev.seq = DatumGetInt64(spi_col(0, 1, &isnull));
 	}
 	SPI_finish();
+	if (outbox_mode != MODE_WAL)
+		insert_event(partition, bucket, txid, &ev);
 
 	announce_event(&ev);
 	{
@@ -968,7 +992,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 
 	/* the events outlive SPI_finish(): made here, not in SPI's memory */
 	SPI_connect();
-	bucket = idem_outbox_target_bucket(now);
+	bucket = idem_outbox_target_bucket(now, NULL);
 	SPI_finish();
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);

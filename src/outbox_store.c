@@ -33,8 +33,13 @@
  *	  partition.
  *	- Dropping a partition takes AccessExclusiveLock on it and on the
  *	  parent.  Both are only tried, a few times over half a second, never
- *	  queued for: emitters and relays never wait behind a drop, and a busy
- *	  parent leaves the drop to a later round.
+ *	  queued for, and a busy one leaves the drop to a later round.  The
+ *	  partitions past their retention are checked first without them; then
+ *	  all droppable ones are locked, then the parent, and all are dropped at
+ *	  once as the round's last step: emitters and relays wait only for the
+ *	  DROPs themselves and the commit that follows (the outbox's step comes
+ *	  last in a round; call idem_maintain() on its own, not inside a longer
+ *	  transaction).
  *	- Whether a partition is pinned is read before those locks: only a
  *	  redrive moves an aggregate back, and a partition past its retention
  *	  gets no new events (emitters choose a newer one).
@@ -44,6 +49,7 @@
 #include "idempotency.h"
 
 #include "catalog/pg_type.h"
+#include "commands/extension.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
 #include "common/pg_prng.h"
@@ -351,14 +357,14 @@ typedef struct DropCall
 	OutboxRound *r;
 	OutboxPartition *p;
 	const char *name;
+	bool		droppable;
 } DropCall;
 
+/* May the partition go?  Reads it, without locks beyond AccessShareLock. */
 static bool
-drop_one(void *arg)
+check_one(void *arg)
 {
 	DropCall   *c = arg;
-	Oid			types[1] = {OIDOID};
-	Datum		values[1] = {ObjectIdGetDatum(c->p->relid)};
 
 	if (partition_newest(c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
 		return false;			/* took events while maintenance lagged */
@@ -367,16 +373,64 @@ drop_one(void *arg)
 		idem_report_action(c->r->rep, "keep (pinned)", c->name);
 		return false;
 	}
-	/* the partition first, as DROP TABLE would, then the parent */
-	if (!try_lock_exclusive(c->p->relid) || !try_lock_exclusive(c->r->parent))
+	c->droppable = true;
+	return true;
+}
+
+typedef struct DropBatch
+{
+	OutboxRound *r;
+	DropCall   *calls;
+	int			n;
+} DropBatch;
+
+/*
+ * Drop the partitions found droppable, together: each is locked first (a
+ * busy one waits for a later round), then the parent, held only from here
+ * to the end of the round's transaction, which this step ends.
+ */
+static bool
+drop_batch(void *arg)
+{
+	DropBatch  *b = arg;
+	Oid			types[1] = {OIDOID};
+	int			locked = 0;
+
+	for (int i = 0; i < b->n; i++)
 	{
-		idem_report_action(c->r->rep, "skip drop (in use)", c->name);
+		DropCall   *c = &b->calls[i];
+
+		if (!c->droppable)
+			continue;
+		if (!try_lock_exclusive(c->p->relid))
+		{
+			idem_report_action(b->r->rep, "skip drop (in use)", c->name);
+			c->droppable = false;
+			continue;
+		}
+		locked++;
+	}
+	if (locked == 0)
+		return false;
+	if (!try_lock_exclusive(b->r->parent))
+	{
+		for (int i = 0; i < b->n; i++)
+			if (b->calls[i].droppable)
+				idem_report_action(b->r->rep, "skip drop (in use)", b->calls[i].name);
 		return false;
 	}
-	idem_spi_exec("DELETE FROM idempotency.outbox_partitions WHERE relid = $1",
-				  1, types, values, SPI_OK_DELETE);
-	idem_exec_ddl_as_data(psprintf("DROP TABLE %s", c->name));
-	idem_report_action(c->r->rep, "drop", c->name);
+	for (int i = 0; i < b->n; i++)
+	{
+		DropCall   *c = &b->calls[i];
+		Datum		values[1] = {ObjectIdGetDatum(c->p->relid)};
+
+		if (!c->droppable)
+			continue;
+		idem_spi_exec("DELETE FROM idempotency.outbox_partitions WHERE relid = $1",
+					  1, types, values, SPI_OK_DELETE);
+		idem_exec_ddl_as_data(psprintf("DROP TABLE %s", c->name));
+		idem_report_action(b->r->rep, "drop", c->name);
+	}
 	return true;
 }
 
@@ -384,22 +438,29 @@ drop_one(void *arg)
 static void
 drop_expired(OutboxRound *r, OutboxPartition *parts, int n)
 {
+	DropBatch	b = {r, palloc0(sizeof(DropCall) * Max(n, 1)), 0};
+
 	for (int i = 0; i < n; i++)
 	{
 		OutboxPartition *p = &parts[i];
 		char	   *relname = get_rel_name(p->relid);
-		DropCall	call = {r, p, NULL};
+		DropCall   *c = &b.calls[b.n];
 
 		if (relname == NULL || p->upper + r->s->retention * USECS_PER_SEC > r->now)
 			continue;
-		call.name = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
-		(void) idem_run_guarded(r->rep, "drop", call.name, drop_one, &call);
+		c->r = r;
+		c->p = p;
+		c->name = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
+		(void) idem_run_guarded(r->rep, "drop", c->name, check_one, c);
+		b.n++;
 	}
+	if (b.n > 0)
+		(void) idem_run_guarded(r->rep, "drop", IDEM_SCHEMA ".outbox_events", drop_batch, &b);
 }
 
 /*
- * The outbox's part of a maintenance round; the caller holds the
- * maintenance lock, is connected to SPI and has pinned search_path.
+ * The outbox's part of a maintenance round, its last step; the caller holds
+ * the maintenance lock, is connected to SPI and has pinned search_path.
  */
 void
 idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now)
@@ -411,6 +472,10 @@ idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now
 	/* a database still on 1.0 (before ALTER EXTENSION UPDATE) has no outbox */
 	r.parent = get_relname_relid("outbox_events", idem_schema_oid());
 	if (!OidIsValid(r.parent))
+		return;
+	parts = read_partitions(&n);
+	/* inside CREATE or ALTER EXTENSION: only the first partitions */
+	if (creating_extension && n > 0)
 		return;
 
 	idem_forget_missing(rep, "outbox_partitions");
@@ -460,13 +525,14 @@ load_cache(void)
 }
 
 /*
- * The bucket an event created at "now" goes into: the partition whose range
+ * The partition an event created at "now" goes into: the one whose range
  * covers it (the newest such), else the newest that has begun, else the
- * oldest.  The caller is connected to SPI.
+ * oldest.  Sets its bucket and table.  The caller is connected to SPI.
  */
 int32
-idem_outbox_target_bucket(TimestampTz now)
+idem_outbox_target_bucket(TimestampTz now, Oid *relid)
 {
+	OutboxPartition *target = NULL;
 	OutboxPartition *begun = NULL;
 
 	AcceptInvalidationMessages();
@@ -477,14 +543,18 @@ idem_outbox_target_bucket(TimestampTz now)
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idempotency.outbox_events has no partition"),
 				 errhint("Run SELECT idem_maintain() as the owner of the extension.")));
-	for (int i = 0; i < cached_nparts; i++)
+	for (int i = 0; i < cached_nparts && target == NULL; i++)
 	{
 		OutboxPartition *p = &cached_parts[i];
 
 		if (p->lower <= now && now < p->upper)
-			return p->bucket;
-		if (begun == NULL && p->lower <= now)
+			target = p;
+		else if (begun == NULL && p->lower <= now)
 			begun = p;
 	}
-	return begun != NULL ? begun->bucket : cached_parts[cached_nparts - 1].bucket;
+	if (target == NULL)
+		target = begun != NULL ? begun : &cached_parts[cached_nparts - 1];
+	if (relid != NULL)
+		*relid = target->relid;
+	return target->bucket;
 }

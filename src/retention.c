@@ -600,18 +600,27 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 
 	/* each step works from the registry as the previous one left it */
 	r.set = idem_partition_set_fresh();
-	before = copy_partition_set(r.set);
-	if (reshape)
+
+	/*
+	 * Inside CREATE or ALTER EXTENSION a round only makes what a store
+	 * lacks: an update leaves the claims partitions as they are and gives
+	 * the stores new in the version their first partitions.
+	 */
+	if (!creating_extension || r.set->nparts == 0)
 	{
-		reshape_partitions(&r);
+		before = copy_partition_set(r.set);
+		if (reshape)
+		{
+			reshape_partitions(&r);
+			r.set = idem_partition_set_fresh();
+		}
+		ensure_partitions(&r);
 		r.set = idem_partition_set_fresh();
+		seal_passed(&r);
+		r.set = idem_partition_set_fresh();
+		drop_expired(&r, before);
+		idem_filters_forget_others(idem_partition_set_fresh());
 	}
-	ensure_partitions(&r);
-	r.set = idem_partition_set_fresh();
-	seal_passed(&r);
-	r.set = idem_partition_set_fresh();
-	drop_expired(&r, before);
-	idem_filters_forget_others(idem_partition_set_fresh());
 	idem_outbox_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);

@@ -98,7 +98,7 @@ SELECT count(*) FROM idem_maintain();
 SELECT count(*) FROM idem_claim_many(ARRAY(SELECT g::text FROM generate_series(1, 10000) g));
 VACUUM ANALYZE;
 SQL
-live=$(PGDATABASE=idem_bench_30 psql -X -At -c "SELECT count(*) FILTER (WHERE state <> 'future') || ' live, ' || count(*) FILTER (WHERE state = 'sealed') || ' sealed' FROM idempotency.partitions")
+live=$(PGDATABASE=idem_bench_30 psql -X -At -c "SELECT count(*) FILTER (WHERE state <> 'future') || ' live, ' || count(*) FILTER (WHERE state = 'sealed') || ' sealed' FROM idempotency.partitions WHERE store = 'claims'")
 psql -X -q -c 'VACUUM ANALYZE' >/dev/null
 echo "retention bench (b): $ROUNDS interleaved rounds of ${SECS}s, $CLIENTS clients; 30-partition database: $live"
 for case in new dup; do

@@ -185,7 +185,7 @@ SELECT format('%s claims (%s in bench_plain) in %s partitions holding claims, %s
               count(*) FILTER (WHERE state <> 'expired'),
               string_agg(DISTINCT state, '/'),
               pg_size_pretty(sum(bytes)), pg_size_pretty(pg_total_relation_size('bench_plain')))
-FROM idempotency.partitions;
+FROM idempotency.partitions WHERE store = 'claims';
 SQL
 )
     echo "  shape $name built in $((SECONDS - started)) s: ${INFO[${name}_desc]}"

@@ -41,14 +41,14 @@
 # IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
 # 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (at most
 # this many seconds after the emitters stop, the relays must have delivered
-# everything, default 30).
+# everything, default 45).
 set -euo pipefail
 
 SECONDS_RUN=${IDEM_STRESS_SECONDS:-15}
 CLIENTS=${IDEM_STRESS_CLIENTS:-6}
 NAGGS=${IDEM_STRESS_AGGREGATES:-2000}
 ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
-DRAIN=${IDEM_STRESS_DRAIN:-30}
+DRAIN=${IDEM_STRESS_DRAIN:-45}
 LEASE='2 seconds'
 BATCH=20
 
@@ -86,7 +86,9 @@ expect_zero() {
 PGOPTIONS=$base_options sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
-SELECT idem_configure(retention => '60 seconds', partition_interval => '1 second', premake => 20);
+-- retention longer than emitting and draining together, so every event is
+-- still there for the checks at the end
+SELECT idem_configure(retention => '90 seconds', partition_interval => '1 second', premake => 20);
 SELECT count(*) FROM idem_maintain();
 -- what the committed emits returned: tx and pos give the call / array order
 CREATE TABLE stress_emitted (

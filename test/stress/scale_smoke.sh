@@ -82,10 +82,11 @@ check "partitions loaded" $((PAST + 1)) "$nparts"
 check "claims stored" "$loaded" "$(q -c "SELECT count(*) FROM idempotency.claims")"
 check "past partitions sealed with a filter and $PER claims" "$PAST" \
     "$(q -c "SELECT count(*) FROM idempotency.partitions
-             WHERE state = 'sealed' AND has_bloom_filter AND claims = $PER AND upper <= now()")"
+             WHERE store = 'claims' AND state = 'sealed' AND has_bloom_filter AND claims = $PER
+               AND upper <= now()")"
 check "current partition unsealed, holding $PER claims" "1|$PER" \
     "$(q -c "SELECT count(*), sum((SELECT count(*) FROM idempotency.claims c WHERE c.tableoid = p.partition))
-             FROM idempotency.partitions p WHERE state = 'current'")"
+             FROM idempotency.partitions p WHERE store = 'claims' AND state = 'current'")"
 
 # ---- loaded keys: found and duplicates, filters loaded (one session)
 out=$(q <<SQL
