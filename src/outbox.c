@@ -247,15 +247,11 @@ idem_outbox_init(void)
 	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
 	" RETURNING last_seq"
 
-#define EVENT_COLUMNS \
-	"id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at, txid, bucket"
-
 typedef enum
 {
 	ST_EMIT_NEXT_SEQ,
 	ST_EMIT_SEQ,
 	ST_RESERVE,
-	ST_INSERT_MANY,
 	ST_CURSOR_READ,
 	ST_CURSOR_WRITE,
 	ST_SCAN,
@@ -314,15 +310,6 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 								   " ORDER BY 2") ")"
 		" SELECT aggregate_id, last_seq FROM s",
 		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
-	},
-	[ST_INSERT_MANY] = {
-		"INSERT INTO idempotency.outbox_events (" EVENT_COLUMNS ")"
-		" SELECT u.id, $1, u.aid, u.seq, u.et, u.p, u.h, u.at, $8, $10"
-		" FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::jsonb[], $9::jsonb[],"
-		"             $7::timestamptz[])"
-		"   AS u(id, aid, seq, et, p, h, at)",
-		10, {TEXTOID, UUIDARRAYOID, TEXTARRAYOID, INT8ARRAYOID, TEXTARRAYOID, JSONBARRAYOID,
-			TIMESTAMPTZARRAYOID, XID8OID, JSONBARRAYOID, INT4OID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
@@ -840,52 +827,76 @@ static const char *const event_column_names[Natts_outbox_events] = {
 };
 
 /*
- * Write an event straight into its partition (rows.c), without an
+ * Emits write events straight into their partition (rows.c), without an
  * executor: partition routing and executor start-up were most of an emit.
- * Nothing reads the row back, so emitting needs only INSERT on the events;
- * the partition is checked for the columns it must have.
+ * Nothing reads the row back, so emitting needs only INSERT on the events.
+ *
+ * The partition an event created at ts goes into, opened and checked for
+ * the columns it must have (the caller is connected to SPI).
  */
-static void
-insert_event(Oid partition, int32 bucket, FullTransactionId txid, const OutboxEvent *ev)
+static Relation
+open_target(TimestampTz ts, int32 *bucket)
 {
-	Relation	rel = try_table_open(partition, RowExclusiveLock);
-	TupleDesc	desc;
+	for (int attempt = 0;; attempt++)
+	{
+		Oid			relid;
+		Relation	rel;
+		TupleDesc	desc;
+		AclResult	acl;
+
+		*bucket = idem_outbox_target_bucket(ts, &relid);
+		rel = try_table_open(relid, RowExclusiveLock);
+		if (rel == NULL)
+		{
+			/* dropped since this backend read the registry: read it again */
+			if (attempt > 0)
+				ereport(ERROR,
+						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+						 errmsg("the outbox partition for bucket %d is gone", *bucket),
+						 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
+			idem_outbox_forget_partitions();
+			continue;
+		}
+		/* routed inserts check the parent's privilege: so do we */
+		acl = pg_class_aclcheck(idem_internal_relid("outbox_events"), GetUserId(), ACL_INSERT);
+		if (acl != ACLCHECK_OK)
+			aclcheck_error(acl, OBJECT_TABLE, "outbox_events");
+		desc = RelationGetDescr(rel);
+		for (int i = 0; i < Natts_outbox_events; i++)
+			if (desc->natts != Natts_outbox_events ||
+				TupleDescAttr(desc, i)->attisdropped ||
+				strcmp(NameStr(TupleDescAttr(desc, i)->attname), event_column_names[i]) != 0)
+				elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
+					 RelationGetRelationName(rel));
+		return rel;
+	}
+}
+
+/* Write events into rel (from open_target()) and close it. */
+static void
+insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEvent *evs, int n)
+{
 	IdemIndexSet ins;
 	Datum		values[Natts_outbox_events];
 	bool		nulls[Natts_outbox_events] = {false};
-	AclResult	acl;
 
-	if (rel == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("the outbox partition for bucket %d is gone", bucket),
-				 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
-	/* routed inserts check the parent's privilege: so do we */
-	acl = pg_class_aclcheck(idem_internal_relid("outbox_events"), GetUserId(), ACL_INSERT);
-	if (acl != ACLCHECK_OK)
-		aclcheck_error(acl, OBJECT_TABLE, "outbox_events");
-	desc = RelationGetDescr(rel);
-	if (desc->natts != Natts_outbox_events)
-		elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
-			 RelationGetRelationName(rel));
-	for (int i = 0; i < Natts_outbox_events; i++)
-		if (TupleDescAttr(desc, i)->attisdropped ||
-			strcmp(NameStr(TupleDescAttr(desc, i)->attname), event_column_names[i]) != 0)
-			elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
-				 RelationGetRelationName(rel));
-
-	values[0] = UUIDPGetDatum(&ev->id);
-	values[1] = CStringGetTextDatum(ev->aggregate_type);
-	values[2] = CStringGetTextDatum(ev->aggregate_id);
-	values[3] = Int64GetDatum(ev->seq);
-	values[4] = CStringGetTextDatum(ev->event_type);
-	values[5] = JsonbPGetDatum(ev->payload);
-	values[6] = JsonbPGetDatum(ev->headers);
-	values[7] = TimestampTzGetDatum(ev->created_at);
-	values[8] = FullTransactionIdGetDatum(txid);
-	values[9] = Int32GetDatum(bucket);
 	idem_open_insert_indexes(rel, &ins, "outbox partition");
-	idem_insert_row(&ins, values, nulls, InvalidOid);
+	for (int i = 0; i < n; i++)
+	{
+		const OutboxEvent *ev = &evs[i];
+
+		values[0] = UUIDPGetDatum(&ev->id);
+		values[1] = CStringGetTextDatum(ev->aggregate_type);
+		values[2] = CStringGetTextDatum(ev->aggregate_id);
+		values[3] = Int64GetDatum(ev->seq);
+		values[4] = CStringGetTextDatum(ev->event_type);
+		values[5] = JsonbPGetDatum(ev->payload);
+		values[6] = JsonbPGetDatum(ev->headers);
+		values[7] = TimestampTzGetDatum(ev->created_at);
+		values[8] = FullTransactionIdGetDatum(txid);
+		values[9] = Int32GetDatum(bucket);
+		idem_insert_row(&ins, values, nulls, InvalidOid);
+	}
 	idem_close_insert_indexes(&ins);
 	table_close(rel, NoLock);
 }
@@ -898,7 +909,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	Datum		values[2];
 	uint64		n;
 	int32		bucket;
-	Oid			partition;
+	Relation	rel = NULL;
 	FullTransactionId txid;
 
 	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
@@ -912,7 +923,10 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	ev.created_at = event_time(txid);
 
 	SPI_connect();
-	bucket = idem_outbox_target_bucket(ev.created_at, &partition);
+	if (outbox_mode != MODE_WAL)
+		rel = open_target(ev.created_at, &bucket);
+	else
+		bucket = idem_outbox_target_bucket(ev.created_at, NULL);
 	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
@@ -928,7 +942,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	}
 	SPI_finish();
 	if (outbox_mode != MODE_WAL)
-		insert_event(partition, bucket, txid, &ev);
+		insert_events(rel, bucket, txid, &ev, 1);
 
 	announce_event(&ev);
 	{
@@ -978,6 +992,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	FullTransactionId txid = emitting_transaction();
 	TimestampTz now = event_time(txid);
 	int32		bucket;
+	Relation	rel = NULL;
 
 	InitMaterializedSRF(fcinfo, 0);
 	n = array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
@@ -992,7 +1007,10 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 
 	/* the events outlive SPI_finish(): made here, not in SPI's memory */
 	SPI_connect();
-	bucket = idem_outbox_target_bucket(now, NULL);
+	if (outbox_mode != MODE_WAL)
+		rel = open_target(now, &bucket);
+	else
+		bucket = idem_outbox_target_bucket(now, NULL);
 	SPI_finish();
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);
@@ -1051,34 +1069,9 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	for (int i = 0; i < n; i++)
 		evs[i].seq = next_seq[sorted_index(names, nagg, evs[i].aggregate_id)]++;
 
-	if (outbox_mode != MODE_WAL)
-	{
-		Datum		values[10];
-		Datum	   *ev_ids = palloc(sizeof(Datum) * n);
-		Datum	   *ev_seqs = palloc(sizeof(Datum) * n);
-		Datum	   *ev_headers = palloc(sizeof(Datum) * n);
-		Datum	   *ev_times = palloc(sizeof(Datum) * n);
-
-		for (int i = 0; i < n; i++)
-		{
-			ev_times[i] = TimestampTzGetDatum(evs[i].created_at);
-			ev_ids[i] = UUIDPGetDatum(&evs[i].id);
-			ev_seqs[i] = Int64GetDatum(evs[i].seq);
-			ev_headers[i] = JsonbPGetDatum(evs[i].headers);
-		}
-		values[0] = CStringGetTextDatum(aggregate_type);
-		values[1] = build_array(ev_ids, NULL, n, UUIDOID);
-		values[2] = build_array(ids, NULL, n, TEXTOID);
-		values[3] = build_array(ev_seqs, NULL, n, INT8OID);
-		values[4] = build_array(types, NULL, n, TEXTOID);
-		values[5] = build_array(payloads, NULL, n, JSONBOID);
-		values[6] = build_array(ev_times, NULL, n, TIMESTAMPTZOID);
-		values[7] = FullTransactionIdGetDatum(txid);
-		values[8] = build_array(ev_headers, NULL, n, JSONBOID);
-		values[9] = Int32GetDatum(bucket);
-		(void) outbox_exec(ST_INSERT_MANY, values, NULL, SPI_OK_INSERT);
-	}
 	SPI_finish();
+	if (outbox_mode != MODE_WAL)
+		insert_events(rel, bucket, txid, evs, n);
 
 	for (int i = 0; i < n; i++)
 	{

@@ -86,6 +86,13 @@ outbox_cache_callback(Datum arg, Oid relid)
 		cached_nparts = -1;
 }
 
+/* Read the registry again at the next emit. */
+void
+idem_outbox_forget_partitions(void)
+{
+	cached_nparts = -1;
+}
+
 void
 idem_outbox_store_init(void)
 {

@@ -88,7 +88,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 -- retention longer than emitting and draining together, so every event is
 -- still there for the checks at the end
-SELECT idem_configure(retention => '90 seconds', partition_interval => '1 second', premake => 20);
+SELECT idem_configure(retention => '75 seconds', partition_interval => '1 second', premake => 20);
 SELECT count(*) FROM idem_maintain();
 -- what the committed emits returned: tx and pos give the call / array order
 CREATE TABLE stress_emitted (
