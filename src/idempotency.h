@@ -8,7 +8,8 @@
  * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
  * backend memory), retention.c (the maintenance round and idem_configure),
  * worker.c (the background worker), outbox.c (the transactional outbox:
- * emit and the relay API) and outbox_store.c (its partitions); guarded
+ * emit and the relay API), outbox_store.c (its partitions) and rows.c
+ * (rows written without the executor, for claims and events); guarded
  * writes take three,
  * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
  * idempotency.c holds only _PG_init and the few helpers every subsystem

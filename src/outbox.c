@@ -6,14 +6,19 @@
  *	  and settle them with ack, nack, extend, redrive and discard.
  *
  * Storage (sql/ext/40_outbox.sql): events are insert-only rows in time
- * partitions of idempotency.outbox_events; what changes lives apart, in two
- * narrow tables whose updates leave every index alone (HOT):
+ * partitions of idempotency.outbox_events (outbox_store.c), written straight
+ * into the partition (rows.c); what changes lives apart, in two narrow
+ * tables whose updates leave every index alone (HOT):
  *	- outbox_sequences: per aggregate, the seq of its newest event.  An emit
- *	  increments it with INSERT ... ON CONFLICT DO UPDATE and so holds its
- *	  row lock to commit: emits to one aggregate serialise, seq follows
- *	  commit order, and a rollback takes its number back (no gaps).
+ *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
+ *	  aggregate's first event, which also makes its deliveries row) and so
+ *	  holds its row lock to commit: emits to one aggregate serialise, seq
+ *	  follows commit order, and a rollback takes its number back (no gaps).
  *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
  *	  the lease, attempts of the head event, and retry_at.
+ *
+ * An event id (a UUIDv7) carries created_at, the partition's bucket and the
+ * emitting transaction, so acks find an event with one index probe.
  *
  * Finding work.  Relays find pending aggregates in two ways:
  *	- the cursor: events are scanned in order of their emitting transaction
@@ -47,9 +52,10 @@
  * relay changed after a REPEATABLE READ snapshot is a serialization
  * failure.
  *
- * All SQL runs through plans prepared once per backend with search_path
- * pinned to pg_catalog, on schema-qualified names, with the caller's
- * privileges.
+ * All SQL runs through generic plans prepared once per backend with
+ * search_path pinned to pg_catalog, on schema-qualified names, with the
+ * caller's privileges; the direct write of events checks INSERT on
+ * idempotency.outbox_events as a routed insert would.
  *
  *-------------------------------------------------------------------------
  */
