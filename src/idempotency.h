@@ -209,7 +209,7 @@ extern void idem_outbox_init(void);
 extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
 								 FullTransactionId *txid);
 extern void idem_outbox_store_init(void);
-extern int32 idem_outbox_target_bucket(TimestampTz now, Oid *relid);
+extern int32 idem_outbox_target_bucket(TimestampTz now, Oid *relid, Oid *parent);
 extern void idem_outbox_forget_partitions(void);
 extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 

@@ -782,12 +782,13 @@ announce_event(const OutboxEvent *ev)
 		Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
 }
 
-/* The columns of idem_outbox_event for one event. */
+/*
+ * The first eight columns of both an outbox_events row and an
+ * idem_outbox_event: id ... created_at.
+ */
 static void
-event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
-			 TimestampTz until, Datum *values, bool *nulls)
+event_stored_values(const OutboxEvent *ev, Datum *values)
 {
-	memset(nulls, 0, sizeof(bool) * 11);
 	values[0] = UUIDPGetDatum(&ev->id);
 	values[1] = CStringGetTextDatum(ev->aggregate_type);
 	values[2] = CStringGetTextDatum(ev->aggregate_id);
@@ -796,6 +797,15 @@ event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
 	values[5] = JsonbPGetDatum(ev->payload);
 	values[6] = JsonbPGetDatum(ev->headers);
 	values[7] = TimestampTzGetDatum(ev->created_at);
+}
+
+/* The columns of idem_outbox_event for one event. */
+static void
+event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
+			 TimestampTz until, Datum *values, bool *nulls)
+{
+	memset(nulls, 0, sizeof(bool) * 11);
+	event_stored_values(ev, values);
 	values[8] = Int32GetDatum(attempts);
 	if (token != NULL)
 	{
@@ -846,11 +856,12 @@ open_target(TimestampTz ts, int32 *bucket)
 	for (int attempt = 0;; attempt++)
 	{
 		Oid			relid;
+		Oid			parent;
 		Relation	rel;
 		TupleDesc	desc;
 		AclResult	acl;
 
-		*bucket = idem_outbox_target_bucket(ts, &relid);
+		*bucket = idem_outbox_target_bucket(ts, &relid, &parent);
 		rel = try_table_open(relid, RowExclusiveLock);
 		if (rel == NULL)
 		{
@@ -864,7 +875,7 @@ open_target(TimestampTz ts, int32 *bucket)
 			continue;
 		}
 		/* routed inserts check the parent's privilege: so do we */
-		acl = pg_class_aclcheck(idem_internal_relid("outbox_events"), GetUserId(), ACL_INSERT);
+		acl = pg_class_aclcheck(parent, GetUserId(), ACL_INSERT);
 		if (acl != ACLCHECK_OK)
 			aclcheck_error(acl, OBJECT_TABLE, "outbox_events");
 		desc = RelationGetDescr(rel);
@@ -889,16 +900,7 @@ insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEv
 	idem_open_insert_indexes(rel, &ins, "outbox partition");
 	for (int i = 0; i < n; i++)
 	{
-		const OutboxEvent *ev = &evs[i];
-
-		values[0] = UUIDPGetDatum(&ev->id);
-		values[1] = CStringGetTextDatum(ev->aggregate_type);
-		values[2] = CStringGetTextDatum(ev->aggregate_id);
-		values[3] = Int64GetDatum(ev->seq);
-		values[4] = CStringGetTextDatum(ev->event_type);
-		values[5] = JsonbPGetDatum(ev->payload);
-		values[6] = JsonbPGetDatum(ev->headers);
-		values[7] = TimestampTzGetDatum(ev->created_at);
+		event_stored_values(&evs[i], values);
 		values[8] = FullTransactionIdGetDatum(txid);
 		values[9] = Int32GetDatum(bucket);
 		idem_insert_row(&ins, values, nulls, InvalidOid);
@@ -932,7 +934,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(ev.created_at, &bucket);
 	else
-		bucket = idem_outbox_target_bucket(ev.created_at, NULL);
+		bucket = idem_outbox_target_bucket(ev.created_at, NULL, NULL);
 	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
@@ -1016,7 +1018,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(now, &bucket);
 	else
-		bucket = idem_outbox_target_bucket(now, NULL);
+		bucket = idem_outbox_target_bucket(now, NULL, NULL);
 	SPI_finish();
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);

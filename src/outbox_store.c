@@ -78,6 +78,7 @@ typedef struct OutboxPartition
 static OutboxPartition *cached_parts = NULL;
 static int	cached_nparts = -1;		/* -1: not read */
 static Oid	cached_registry = InvalidOid;
+static Oid	cached_parent = InvalidOid;	/* idempotency.outbox_events */
 
 static void
 outbox_cache_callback(Datum arg, Oid relid)
@@ -520,6 +521,7 @@ load_cache(void)
 	MemoryContext old;
 
 	cached_registry = idem_internal_relid("outbox_partitions");
+	cached_parent = idem_internal_relid("outbox_events");
 	parts = read_partitions(&n);
 	qsort(parts, n, sizeof(OutboxPartition), newest_first);
 	old = MemoryContextSwitchTo(CacheMemoryContext);
@@ -534,10 +536,11 @@ load_cache(void)
 /*
  * The partition an event created at "now" goes into: the one whose range
  * covers it (the newest such), else the newest that has begun, else the
- * oldest.  Sets its bucket and table.  The caller is connected to SPI.
+ * oldest.  Sets its bucket, its table and the parent (cached with the
+ * registry: no catalog look-up per emit).  The caller is connected to SPI.
  */
 int32
-idem_outbox_target_bucket(TimestampTz now, Oid *relid)
+idem_outbox_target_bucket(TimestampTz now, Oid *relid, Oid *parent)
 {
 	OutboxPartition *target = NULL;
 	OutboxPartition *begun = NULL;
@@ -563,5 +566,7 @@ idem_outbox_target_bucket(TimestampTz now, Oid *relid)
 		target = begun != NULL ? begun : &cached_parts[cached_nparts - 1];
 	if (relid != NULL)
 		*relid = target->relid;
+	if (parent != NULL)
+		*parent = cached_parent;
 	return target->bucket;
 }
