@@ -129,6 +129,8 @@ SELECT idem_outbox_extend((SELECT lease_token FROM fast), '1 minute') AS live_ex
 SELECT idem_outbox_ack(ARRAY(SELECT id FROM fast), (SELECT lease_token FROM fast)) AS live_ack;
 SELECT aggregate_id, acked_seq, lease_token IS NULL AS lease_ended
   FROM idempotency.outbox_deliveries WHERE aggregate_id = 'a-1';
+-- back to the real clock: section 8 compares partition ranges with now()
+RESET idempotency.debug_clock_offset;
 
 -- 7. outbox_mode 'wal' writes a transactional logical decoding message per
 -- emit (prefix idempotency.outbox, the event as JSON) and no row; 'both'
