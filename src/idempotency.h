@@ -8,8 +8,10 @@
  * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
  * backend memory), retention.c (the maintenance round and idem_configure),
  * worker.c (the background worker), outbox.c (the transactional outbox:
- * emit and the relay API), outbox_store.c (its partitions) and rows.c
- * (rows written without the executor, for claims and events); guarded
+ * emit and the relay API), requests.c (stored responses for
+ * Idempotency-Key requests), store.c (the time partitions of the outbox's
+ * events and of the requests) and rows.c (rows written without the
+ * executor, for claims, events and requests); guarded
  * writes take three,
  * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
  * idempotency.c holds only _PG_init and the few helpers every subsystem
@@ -176,7 +178,7 @@ extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern void idem_filters_init(void);
 
-/*---- retention.c: maintenance, and what outbox_store.c shares of it ----*/
+/*---- retention.c: maintenance, and what store.c shares of it ----*/
 extern int	idem_maintain_round(int elevel);
 
 /* Where a maintenance round reports its actions: rows, or the log. */
@@ -199,19 +201,29 @@ extern void idem_forget_missing(MaintainReport *rep, const char *registry);
 extern char *idem_partition_name(const char *prefix, TimestampTz lower);
 extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 
-/*---- outbox.c and outbox_store.c: the transactional outbox ----*/
+/*---- store.c: time partitions of the stores beside the claims ----*/
 
-/* partition buckets are 1 .. IDEM_OUTBOX_BUCKETS; event ids carry 24 bits */
-#define IDEM_OUTBOX_BUCKETS		((1 << 24) - 1)
+typedef enum IdemStoreId
+{
+	IDEM_STORE_OUTBOX,
+	IDEM_STORE_REQUESTS,
+	IDEM_NSTORES
+} IdemStoreId;
 
+/* partition buckets are 1 .. IDEM_STORE_BUCKETS; event ids carry 24 bits */
+#define IDEM_STORE_BUCKETS		((1 << 24) - 1)
+
+extern void idem_store_init(void);
+extern int32 idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent);
+extern void idem_store_forget(IdemStoreId id);
+extern bool idem_store_is_registry(Oid relid);
+extern void idem_stores_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
+
+/*---- outbox.c: the transactional outbox ----*/
 extern bool idem_outbox_keep_undelivered;
 extern void idem_outbox_init(void);
 extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
 								 FullTransactionId *txid);
-extern void idem_outbox_store_init(void);
-extern int32 idem_outbox_target_bucket(TimestampTz now, Oid *relid, Oid *parent);
-extern void idem_outbox_forget_partitions(void);
-extern void idem_outbox_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);

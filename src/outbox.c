@@ -6,7 +6,7 @@
  *	  and settle them with ack, nack, extend, redrive and discard.
  *
  * Storage (sql/ext/40_outbox.sql): events are insert-only rows in time
- * partitions of idempotency.outbox_events (outbox_store.c), written straight
+ * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):
  *	- outbox_sequences: per aggregate, the seq of its newest event.  An emit
@@ -169,7 +169,6 @@ static int	outbox_mode = MODE_TABLE;
 void
 idem_outbox_init(void)
 {
-	idem_outbox_store_init();
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
 							"Failed attempts after which an outbox event is dead-lettered.",
 							NULL,
@@ -861,7 +860,7 @@ open_target(TimestampTz ts, int32 *bucket)
 		TupleDesc	desc;
 		AclResult	acl;
 
-		*bucket = idem_outbox_target_bucket(ts, &relid, &parent);
+		*bucket = idem_store_target(IDEM_STORE_OUTBOX, ts, &relid, &parent);
 		rel = try_table_open(relid, RowExclusiveLock);
 		if (rel == NULL)
 		{
@@ -871,7 +870,7 @@ open_target(TimestampTz ts, int32 *bucket)
 						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 						 errmsg("the outbox partition for bucket %d is gone", *bucket),
 						 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
-			idem_outbox_forget_partitions();
+			idem_store_forget(IDEM_STORE_OUTBOX);
 			continue;
 		}
 		/* routed inserts check the parent's privilege: so do we */
@@ -934,7 +933,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(ev.created_at, &bucket);
 	else
-		bucket = idem_outbox_target_bucket(ev.created_at, NULL, NULL);
+		bucket = idem_store_target(IDEM_STORE_OUTBOX, ev.created_at, NULL, NULL);
 	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
@@ -1018,7 +1017,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(now, &bucket);
 	else
-		bucket = idem_outbox_target_bucket(now, NULL, NULL);
+		bucket = idem_store_target(IDEM_STORE_OUTBOX, now, NULL, NULL);
 	SPI_finish();
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);

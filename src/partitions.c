@@ -423,8 +423,8 @@ invalidate_partition_cache(FunctionCallInfo fcinfo)
 				 errmsg("function \"partition_cache_invalidate\" was not called by the trigger manager")));
 	regid = idem_internal_relid("partition_registry");
 	relid = RelationGetRelid(trigdata->tg_relation);
-	/* the outbox's registry has a cache of its own (outbox_store.c) */
-	if (relid == get_relname_relid("outbox_partitions", idem_schema_oid()))
+	/* the other stores' registries have caches of their own (store.c) */
+	if (idem_store_is_registry(relid))
 		regid = relid;
 	else if (relid != regid && relid != idem_internal_relid("settings"))
 		ereport(ERROR,

@@ -621,7 +621,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 		drop_expired(&r, before);
 		idem_filters_forget_others(idem_partition_set_fresh());
 	}
-	idem_outbox_maintain(rep, &r.s, r.now);
+	idem_stores_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 	return true;
