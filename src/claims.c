@@ -890,6 +890,42 @@ idem_claim(PG_FUNCTION_ARGS)
 	PG_RETURN_BOOL(claimed);
 }
 
+/*
+ * Claim (scope, key) for another subsystem (the inbox, the requests), with
+ * the same protocol, uniqueness and retention as idem_claim(); the caller
+ * has checked both names.  payload may be NULL.  True if the caller's
+ * transaction now holds the claim; IK001 if a claim with another payload
+ * exists.
+ */
+bool
+idem_claim_key(text *scope, text *key, Jsonb *payload)
+{
+	ClaimKey	ck;
+	ClaimCall	call;
+	bool		claimed;
+
+	validate_key(key);
+	ck.scope = scope;
+	ck.key = key;
+	ck.hash = idem_key_hash(scope, key);
+	ck.payload = payload;
+	ck.has_digest = payload != NULL;
+	if (payload != NULL)
+		payload_digest(payload, ck.digest);
+	check_can_claim("idem_claim()");
+	claim_call_init(&call, false);
+	claimed = claim_key(&call, &ck);
+	claim_call_close(&call);
+	return claimed;
+}
+
+/* The SHA-256 digest of a payload that claims store (canonical jsonb). */
+void
+idem_payload_digest(Jsonb *payload, uint8 *digest)
+{
+	payload_digest(payload, digest);
+}
+
 /* Byte order of keys, for claiming a batch in a canonical order. */
 static text **sort_keys_base;
 

@@ -29,6 +29,7 @@
 #include "utils/relcache.h"
 #include "access/transam.h"
 #include "utils/snapshot.h"
+#include "utils/jsonb.h"
 #include "utils/uuid.h"
 
 /* Name of the schema that holds the extension's tables and internals. */
@@ -73,6 +74,9 @@ extern int	idem_pin_search_path(void);
 
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);
+/* claims.c: the claim protocol, for the subsystems built on it */
+extern bool idem_claim_key(text *scope, text *key, Jsonb *payload);
+extern void idem_payload_digest(Jsonb *payload, uint8 *digest);
 
 /*---- rows.c: rows written without the executor ----*/
 
