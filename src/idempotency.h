@@ -225,6 +225,8 @@ extern void idem_store_init(void);
 extern int32 idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent);
 extern void idem_store_forget(IdemStoreId id);
 extern bool idem_store_is_registry(Oid relid);
+extern Relation idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
+									   const char *const *columns, int ncolumns);
 extern void idem_stores_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
 /*---- leases.c: what the outbox and the inbox share ----*/

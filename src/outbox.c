@@ -587,47 +587,12 @@ static const char *const event_column_names[Natts_outbox_events] = {
  * Emits write events straight into their partition (rows.c), without an
  * executor: partition routing and executor start-up were most of an emit.
  * Nothing reads the row back, so emitting needs only INSERT on the events.
- *
- * The partition an event created at ts goes into, opened and checked for
- * the columns it must have (the caller is connected to SPI).
  */
 static Relation
 open_target(TimestampTz ts, int32 *bucket)
 {
-	for (int attempt = 0;; attempt++)
-	{
-		Oid			relid;
-		Oid			parent;
-		Relation	rel;
-		TupleDesc	desc;
-		AclResult	acl;
-
-		*bucket = idem_store_target(IDEM_STORE_OUTBOX, ts, &relid, &parent);
-		rel = try_table_open(relid, RowExclusiveLock);
-		if (rel == NULL)
-		{
-			/* dropped since this backend read the registry: read it again */
-			if (attempt > 0)
-				ereport(ERROR,
-						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-						 errmsg("the outbox partition for bucket %d is gone", *bucket),
-						 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
-			idem_store_forget(IDEM_STORE_OUTBOX);
-			continue;
-		}
-		/* routed inserts check the parent's privilege: so do we */
-		acl = pg_class_aclcheck(parent, GetUserId(), ACL_INSERT);
-		if (acl != ACLCHECK_OK)
-			aclcheck_error(acl, OBJECT_TABLE, "outbox_events");
-		desc = RelationGetDescr(rel);
-		for (int i = 0; i < Natts_outbox_events; i++)
-			if (desc->natts != Natts_outbox_events ||
-				TupleDescAttr(desc, i)->attisdropped ||
-				strcmp(NameStr(TupleDescAttr(desc, i)->attname), event_column_names[i]) != 0)
-				elog(ERROR, "outbox partition \"%s\" does not have the columns of idempotency.outbox_events",
-					 RelationGetRelationName(rel));
-		return rel;
-	}
+	return idem_store_open_target(IDEM_STORE_OUTBOX, ts, bucket,
+								  event_column_names, Natts_outbox_events);
 }
 
 /* Write events into rel (from open_target()) and close it. */

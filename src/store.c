@@ -49,12 +49,14 @@
  */
 #include "idempotency.h"
 
+#include "access/table.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
 #include "common/pg_prng.h"
 #include "storage/lmgr.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
@@ -640,4 +642,50 @@ idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent)
 	if (parent != NULL)
 		*parent = c->parent;
 	return target->bucket;
+}
+
+/*
+ * The partition a row of store "id" made at ts goes into, opened with
+ * RowExclusiveLock for a write without the executor (rows.c) and checked
+ * for the columns its rows must have, in order; sets its bucket.  Checks
+ * INSERT on the parent, as a routed insert would.  The caller is connected
+ * to SPI.
+ */
+Relation
+idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
+					   const char *const *columns, int ncolumns)
+{
+	for (int attempt = 0;; attempt++)
+	{
+		Oid			relid;
+		Oid			parent;
+		Relation	rel;
+		TupleDesc	desc;
+		AclResult	acl;
+
+		*bucket = idem_store_target(id, ts, &relid, &parent);
+		rel = try_table_open(relid, RowExclusiveLock);
+		if (rel == NULL)
+		{
+			/* dropped since this backend read the registry: read it again */
+			if (attempt > 0)
+				ereport(ERROR,
+						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+						 errmsg("the %s partition for bucket %d is gone", stores[id].name, *bucket),
+						 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
+			idem_store_forget(id);
+			continue;
+		}
+		acl = pg_class_aclcheck(parent, GetUserId(), ACL_INSERT);
+		if (acl != ACLCHECK_OK)
+			aclcheck_error(acl, OBJECT_TABLE, stores[id].parent);
+		desc = RelationGetDescr(rel);
+		for (int i = 0; i < ncolumns; i++)
+			if (desc->natts != ncolumns ||
+				TupleDescAttr(desc, i)->attisdropped ||
+				strcmp(NameStr(TupleDescAttr(desc, i)->attname), columns[i]) != 0)
+				elog(ERROR, "%s partition \"%s\" does not have the columns of %s.%s",
+					 stores[id].name, RelationGetRelationName(rel), IDEM_SCHEMA, stores[id].parent);
+		return rel;
+	}
 }
