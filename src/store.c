@@ -103,6 +103,17 @@ static const StoreDesc stores[IDEM_NSTORES] = {
 		"SELECT max(created_at) FROM %s",
 		NULL, NULL,
 	},
+	[IDEM_STORE_INBOX] = {
+		"inbox", "inbox_messages", "inbox_partitions",
+		/* done and fail find a message by id; claims by key and by state */
+		{"CREATE INDEX ON %s (id)",
+		 "CREATE INDEX ON %s (source, ordering_key, seq)",
+		 "CREATE INDEX ON %s (done_at, dead_at)"},
+		/* ids sort by received_at */
+		"SELECT max(received_at) FROM (SELECT received_at FROM %s"
+		" ORDER BY id DESC LIMIT 1) m",
+		"inbox_partition_pinned", NULL,
+	},
 };
 
 /* the writers' cache of each registry, newest first */

@@ -12,6 +12,9 @@
 -- holds an undelivered or dead-lettered event), expired (dropped by the next
 -- round that can lock it).
 --
+-- Inbox partitions (store 'inbox'): the same states; pinned means it holds
+-- a message that is not done (pending, leased, waiting or dead).
+--
 -- This fragment replaces the 1.0 view as a whole: the upgrade script drops
 -- that one and the Makefile appends this file to it.
 CREATE VIEW idempotency.partitions AS
@@ -46,6 +49,20 @@ SELECT o.relid, o.lower, o.upper,
        pg_catalog.pg_total_relation_size(o.relid),
        'outbox'
 FROM idempotency.outbox_partitions o
+CROSS JOIN idempotency.current_settings() s
+UNION ALL
+SELECT i.relid, i.lower, i.upper,
+       CASE
+           WHEN i.lower > now() THEN 'future'
+           WHEN now() < i.upper THEN 'current'
+           WHEN i.upper > now() - s.retention THEN 'sealed'
+           WHEN idempotency.inbox_partition_pinned(i.relid) THEN 'pinned'
+           ELSE 'expired'
+       END,
+       NULL, NULL, false,
+       pg_catalog.pg_total_relation_size(i.relid),
+       'inbox'
+FROM idempotency.inbox_partitions i
 CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
-    'time partitions of idempotency.claims and idempotency.outbox_events with range, state and size';
+    'time partitions of idempotency.claims, idempotency.outbox_events and idempotency.inbox_messages with range, state and size';
