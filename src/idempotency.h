@@ -71,6 +71,7 @@ extern int	idem_pin_search_path(void);
  */
 #define IDEM_LOCKTAG_CLAIM		0x4943	/* value lock of one (scope, key) */
 #define IDEM_LOCKTAG_MAINTAIN	0x494D	/* one maintenance round per database */
+#define IDEM_LOCKTAG_REQUEST	0x4952	/* making a request's row again */
 
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);

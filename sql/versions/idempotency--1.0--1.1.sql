@@ -17,7 +17,7 @@
 --   * new configuration tables: pg_extension_config_dump() here as well;
 --   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
 -- Fragments of sql/ext/ that are new in 1.1 as a whole (the outbox,
--- sql/ext/40_outbox.sql, and the partitions view, sql/ext/45_partitions.sql)
+-- sql/ext/40_outbox.sql, and the partitions view, sql/ext/60_partitions.sql)
 -- are not copied here: the Makefile appends them when it builds the
 -- installed script (NEW_IN_VERSION).
 -- Existing claim partitions are ordinary tables, not extension members: if
@@ -104,5 +104,5 @@ COMMENT ON FUNCTION idempotency.current_settings() IS
     'retention, partition_interval and premake in force (the defaults when none were configured)';
 
 -- the partitions view gains columns in the middle: drop it; sql/ext/
--- 45_partitions.sql, appended by the Makefile, creates the 1.1 one
+-- 60_partitions.sql, appended by the Makefile, creates the 1.1 one
 DROP VIEW idempotency.partitions;
