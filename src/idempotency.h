@@ -47,6 +47,19 @@ extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 extern int	idem_pin_search_path(void);
 
+/* A fixed SQL statement of a subsystem, prepared once per backend. */
+typedef struct IdemStatement
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[10];
+} IdemStatement;
+
+struct _SPI_plan;
+extern struct _SPI_plan *idem_statement_plan(const IdemStatement *st, struct _SPI_plan **slot);
+extern uint64 idem_statement_exec(const IdemStatement *st, struct _SPI_plan **slot, Datum *values,
+								  const char *nulls, int expected);
+
 /*---- limits shared by C, SQL and messages ----*/
 
 /* Longest key and scope stored as they are (a btree tuple must fit). */
@@ -76,6 +89,8 @@ extern int	idem_pin_search_path(void);
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);
 /* claims.c: the claim protocol, for the subsystems built on it */
+extern void idem_check_key(text *key);
+extern void idem_check_scope(text *scope, int maxbytes);
 extern bool idem_claim_key(text *scope, text *key, Jsonb *payload);
 extern void idem_payload_digest(Jsonb *payload, uint8 *digest);
 

@@ -276,14 +276,7 @@ typedef enum
 	NUM_STATEMENTS
 } OutboxStatement;
 
-typedef struct OutboxPlan
-{
-	const char *sql;
-	int			nargs;
-	Oid			argtypes[10];
-} OutboxPlan;
-
-static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
+static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
 	[ST_EMIT_NEXT_SEQ] = {
 		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
@@ -438,43 +431,11 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 
 static SPIPlanPtr prepared[NUM_STATEMENTS];
 
-/* The plan of a statement, prepared on first use with search_path pinned. */
-static SPIPlanPtr
-outbox_plan(OutboxStatement st)
-{
-	if (prepared[st] == NULL)
-	{
-		int			nestlevel = idem_pin_search_path();
-		SPIPlanPtr	plan;
-
-		/*
-		 * Generic plans: every statement is an index probe or an ordered
-		 * index scan whatever the arguments, and planning each call would
-		 * cost more than the work.
-		 */
-		plan = SPI_prepare_cursor(outbox_plans[st].sql, outbox_plans[st].nargs,
-								  (Oid *) outbox_plans[st].argtypes,
-								  CURSOR_OPT_GENERIC_PLAN);
-		if (plan == NULL)
-			elog(ERROR, "SPI_prepare failed (%s): %s",
-				 SPI_result_code_string(SPI_result), outbox_plans[st].sql);
-		AtEOXact_GUC(true, nestlevel);
-		SPI_keepplan(plan);
-		prepared[st] = plan;
-	}
-	return prepared[st];
-}
-
-/* Run a statement; nulls as SPI wants them (' ' or 'n'), NULL for none. */
+/* Run a statement (see idem_statement_exec). */
 static uint64
 outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc = SPI_execute_plan(outbox_plan(st), values, nulls, false, 0);
-
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_plan failed (%s): %s",
-			 SPI_result_code_string(rc), outbox_plans[st].sql);
-	return SPI_processed;
+	return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
 }
 
 static Datum

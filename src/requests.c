@@ -91,14 +91,7 @@ typedef enum RequestStatement
 #define RETURN_ROW \
 	" RETURNING status, attempt, lease_until, digest, recovery_point, state, response, response_status"
 
-typedef struct RequestPlan
-{
-	const char *sql;
-	int			nargs;
-	Oid			argtypes[6];
-} RequestPlan;
-
-static const RequestPlan request_plans[NUM_STATEMENTS] = {
+static const IdemStatement request_plans[NUM_STATEMENTS] = {
 	[ST_FIND] = {FIND_COLUMNS, 2, {TEXTOID, TEXTOID}},
 	[ST_FIND_FOR_UPDATE] = {FIND_COLUMNS " FOR UPDATE", 2, {TEXTOID, TEXTOID}},
 	[ST_FIND_FOR_SHARE] = {FIND_COLUMNS " FOR SHARE", 2, {TEXTOID, TEXTOID}},
@@ -137,39 +130,11 @@ static const RequestPlan request_plans[NUM_STATEMENTS] = {
 
 static SPIPlanPtr prepared[NUM_STATEMENTS];
 
-/* The plan of a statement, prepared on first use with search_path pinned. */
-static SPIPlanPtr
-request_plan(RequestStatement st)
-{
-	if (prepared[st] == NULL)
-	{
-		int			nestlevel = idem_pin_search_path();
-		SPIPlanPtr	plan;
-
-		/* generic plans: each is one probe per partition's (scope, key) index */
-		plan = SPI_prepare_cursor(request_plans[st].sql, request_plans[st].nargs,
-								  (Oid *) request_plans[st].argtypes,
-								  CURSOR_OPT_GENERIC_PLAN);
-		if (plan == NULL)
-			elog(ERROR, "SPI_prepare failed (%s): %s",
-				 SPI_result_code_string(SPI_result), request_plans[st].sql);
-		AtEOXact_GUC(true, nestlevel);
-		SPI_keepplan(plan);
-		prepared[st] = plan;
-	}
-	return prepared[st];
-}
-
-/* Run a statement; nulls as SPI wants them (' ' or 'n'), NULL for none. */
+/* Run a statement (see idem_statement_exec). */
 static uint64
 request_exec(RequestStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc = SPI_execute_plan(request_plan(st), values, nulls, false, 0);
-
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_plan failed (%s): %s",
-			 SPI_result_code_string(rc), request_plans[st].sql);
-	return SPI_processed;
+	return idem_statement_exec(&request_plans[st], &prepared[st], values, nulls, expected);
 }
 
 /*---- arguments ----*/
@@ -195,35 +160,14 @@ null_arg(const char *what)
 static void
 request_key_args(FunctionCallInfo fcinfo, RequestKey *rk)
 {
-	int			len;
-
 	if (PG_ARGISNULL(0))
 		null_arg("key");
 	if (PG_ARGISNULL(1))
 		null_arg("scope");
 	rk->key = PG_GETARG_TEXT_PP(0);
 	rk->scope = PG_GETARG_TEXT_PP(1);
-	if (VARSIZE_ANY_EXHDR(rk->key) == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("key must not be empty")));
-	if (VARSIZE_ANY_EXHDR(rk->key) > IDEM_MAX_KEY_BYTES)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("key is too long"),
-				 errdetail("Keys are limited to %d bytes; this one has %d.",
-						   IDEM_MAX_KEY_BYTES, (int) VARSIZE_ANY_EXHDR(rk->key))));
-	len = VARSIZE_ANY_EXHDR(rk->scope);
-	if (len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("scope must not be empty")));
-	if (len > MAX_REQUEST_SCOPE_BYTES)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("scope name is too long"),
-				 errdetail("Scope names of requests are limited to %d bytes; this one has %d.",
-						   MAX_REQUEST_SCOPE_BYTES, len)));
+	idem_check_key(rk->key);
+	idem_check_scope(rk->scope, MAX_REQUEST_SCOPE_BYTES);
 	rk->key_str = text_to_cstring(rk->key);
 	rk->scope_str = text_to_cstring(rk->scope);
 	rk->claim_scope = cstring_to_text(psprintf("%s%s", REQUEST_SCOPE_PREFIX, rk->scope_str));
@@ -599,11 +543,11 @@ idem_request_begin(PG_FUNCTION_ARGS)
 
 /*
  * Run an UPDATE that acts for an attempt (or, attempt_null, for whichever
- * is current); IK003 if it matched no row.
+ * is current); IK003 if it matched no row, unless missing_ok.
  */
 static void
 holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null,
-			  Datum *values, char *nulls)
+			  Datum *values, char *nulls, bool missing_ok)
 {
 	int			nestlevel = idem_pin_search_path();
 	uint64		n;
@@ -614,7 +558,7 @@ holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_n
 	values[2] = Int32GetDatum(attempt);
 	nulls[2] = attempt_null ? 'n' : ' ';
 	n = request_exec(st, values, nulls, SPI_OK_UPDATE);
-	if (n == 0)
+	if (n == 0 && !missing_ok)
 		lease_lost(rk, attempt, !attempt_null);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
@@ -641,7 +585,7 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 	values[4] = PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4);
 	nulls[4] = PG_ARGISNULL(4) ? 'n' : ' ';
 	values[5] = TimestampTzGetDatum(idem_now());
-	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls);
+	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls, false);
 	PG_RETURN_VOID();
 }
 
@@ -687,7 +631,7 @@ idem_request_extend(PG_FUNCTION_ARGS)
 	lease = interval_arg(fcinfo, 3, "lease", false);
 	values[3] = TimestampTzGetDatum(now + lease);
 	values[4] = TimestampTzGetDatum(now);
-	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls);
+	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls, false);
 	PG_RETURN_VOID();
 }
 
@@ -713,7 +657,7 @@ idem_request_complete(PG_FUNCTION_ARGS)
 	values[4] = PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4);
 	nulls[4] = PG_ARGISNULL(4) ? 'n' : ' ';
 	values[5] = TimestampTzGetDatum(idem_now());
-	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls);
+	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls, false);
 	PG_RETURN_VOID();
 }
 
@@ -729,24 +673,12 @@ idem_request_abandon(PG_FUNCTION_ARGS)
 	int32		attempt = 0;
 	Datum		values[4];
 	char		nulls[5] = "    ";
-	int			nestlevel;
-	uint64		n;
 
 	request_key_args(fcinfo, &rk);
 	if (!PG_ARGISNULL(2))
 		attempt = attempt_arg(fcinfo, 2);
-	nestlevel = idem_pin_search_path();
-	SPI_connect();
-	values[0] = PointerGetDatum(rk.scope);
-	values[1] = PointerGetDatum(rk.key);
-	values[2] = Int32GetDatum(attempt);
-	nulls[2] = PG_ARGISNULL(2) ? 'n' : ' ';
 	values[3] = TimestampTzGetDatum(idem_now());
-	n = request_exec(ST_ABANDON, values, nulls, SPI_OK_UPDATE);
 	/* nothing to forget is fine, but not an attempt that is not the latest */
-	if (n == 0 && !PG_ARGISNULL(2))
-		lease_lost(&rk, attempt, true);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), values, nulls, PG_ARGISNULL(2));
 	PG_RETURN_VOID();
 }
