@@ -140,34 +140,41 @@ typedef struct ProbeResult
 
 /*---- argument checks ----*/
 
+/* Reject an empty scope, or one longer than maxbytes. */
+void
+idem_check_scope(text *scope, int maxbytes)
+{
+	int			len = VARSIZE_ANY_EXHDR(scope);
+
+	if (len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("scope must not be empty")));
+	if (len > maxbytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+				 errmsg("scope name is too long"),
+				 errdetail("Scope names are limited to %d bytes; this one has %d.",
+						   maxbytes, len)));
+}
+
 static text *
 checked_scope(FunctionCallInfo fcinfo, int argno)
 {
 	text	   *scope;
-	int			len;
 
 	if (PG_ARGISNULL(argno))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("scope must not be null")));
 	scope = PG_GETARG_TEXT_PP(argno);
-	len = VARSIZE_ANY_EXHDR(scope);
-	if (len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("scope must not be empty")));
-	if (len > IDEM_MAX_SCOPE_BYTES)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("scope name is too long"),
-				 errdetail("Scope names are limited to %d bytes; this one has %d.",
-						   IDEM_MAX_SCOPE_BYTES, len)));
+	idem_check_scope(scope, IDEM_MAX_SCOPE_BYTES);
 	return scope;
 }
 
 /* Reject an empty or too long key. */
-static void
-validate_key(text *key)
+void
+idem_check_key(text *key)
 {
 	int			len = VARSIZE_ANY_EXHDR(key);
 
@@ -196,7 +203,7 @@ claim_key_args(FunctionCallInfo fcinfo, int argno, ClaimKey *ck)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("key must not be null")));
 	ck->key = PG_GETARG_TEXT_PP(argno);
-	validate_key(ck->key);
+	idem_check_key(ck->key);
 	ck->scope = checked_scope(fcinfo, argno + 1);
 	ck->hash = idem_key_hash(ck->scope, ck->key);
 	ck->payload = NULL;
@@ -904,7 +911,7 @@ idem_claim_key(text *scope, text *key, Jsonb *payload)
 	ClaimCall	call;
 	bool		claimed;
 
-	validate_key(key);
+	idem_check_key(key);
 	ck.scope = scope;
 	ck.key = key;
 	ck.hash = idem_key_hash(scope, key);
@@ -996,7 +1003,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 					 errmsg("keys must not contain nulls"),
 					 errdetail("Element %d is null.", i + 1)));
 		keys[i] = DatumGetTextPP(elems[i]);
-		validate_key(keys[i]);
+		idem_check_key(keys[i]);
 	}
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);

@@ -12,6 +12,7 @@
 #include "idempotency.h"
 
 #include "catalog/namespace.h"
+#include "executor/spi.h"
 #include "fmgr.h"
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
@@ -77,4 +78,47 @@ idem_pin_search_path(void)
 							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
 							 true, 0, false);
 	return nestlevel;
+}
+
+/*
+ * The plan of one of a subsystem's fixed statements, prepared on first use
+ * with search_path pinned and kept for the backend's life in *slot.
+ * Generic plans: each statement is an index probe or an ordered index scan
+ * whatever the arguments, and planning each call would cost more than the
+ * work.  The caller is connected to SPI.
+ */
+SPIPlanPtr
+idem_statement_plan(const IdemStatement *st, SPIPlanPtr *slot)
+{
+	if (*slot == NULL)
+	{
+		int			nestlevel = idem_pin_search_path();
+		SPIPlanPtr	plan;
+
+		plan = SPI_prepare_cursor(st->sql, st->nargs, (Oid *) st->argtypes,
+								  CURSOR_OPT_GENERIC_PLAN);
+		if (plan == NULL)
+			elog(ERROR, "SPI_prepare failed (%s): %s",
+				 SPI_result_code_string(SPI_result), st->sql);
+		AtEOXact_GUC(true, nestlevel);
+		SPI_keepplan(plan);
+		*slot = plan;
+	}
+	return *slot;
+}
+
+/*
+ * Run one of those statements; nulls as SPI wants them (' ' or 'n'), NULL
+ * for none.  Errors out unless SPI returns "expected"; returns the number
+ * of rows processed.
+ */
+uint64
+idem_statement_exec(const IdemStatement *st, SPIPlanPtr *slot, Datum *values,
+					const char *nulls, int expected)
+{
+	int			rc = SPI_execute_plan(idem_statement_plan(st, slot), values, nulls, false, 0);
+
+	if (rc != expected)
+		elog(ERROR, "SPI_execute_plan failed (%s): %s", SPI_result_code_string(rc), st->sql);
+	return SPI_processed;
 }

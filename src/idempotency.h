@@ -50,6 +50,19 @@ extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 extern int	idem_pin_search_path(void);
 
+/* A fixed SQL statement of a subsystem, prepared once per backend. */
+typedef struct IdemStatement
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[10];
+} IdemStatement;
+
+struct _SPI_plan;
+extern struct _SPI_plan *idem_statement_plan(const IdemStatement *st, struct _SPI_plan **slot);
+extern uint64 idem_statement_exec(const IdemStatement *st, struct _SPI_plan **slot, Datum *values,
+								  const char *nulls, int expected);
+
 /*---- limits shared by C, SQL and messages ----*/
 
 /* Longest key and scope stored as they are (a btree tuple must fit). */
@@ -74,10 +87,13 @@ extern int	idem_pin_search_path(void);
  */
 #define IDEM_LOCKTAG_CLAIM		0x4943	/* value lock of one (scope, key) */
 #define IDEM_LOCKTAG_MAINTAIN	0x494D	/* one maintenance round per database */
+#define IDEM_LOCKTAG_REQUEST	0x4952	/* making a request's row again */
 
 /* claims.c */
 extern uint64 idem_key_hash(text *scope, text *key);
 /* claims.c: the claim protocol, for the subsystems built on it */
+extern void idem_check_key(text *key);
+extern void idem_check_scope(text *scope, int maxbytes);
 extern bool idem_claim_key(text *scope, text *key, Jsonb *payload);
 extern void idem_payload_digest(Jsonb *payload, uint8 *digest);
 
@@ -252,7 +268,6 @@ extern int	idem_array_arg(FunctionCallInfo fcinfo, int argno, const char *what, 
 						   Datum **elems);
 extern Datum idem_build_array(Datum *elems, bool *nulls, int n, Oid elemtype);
 extern struct TupleDescData *idem_result_tupdesc(FunctionCallInfo fcinfo);
-extern struct _SPI_plan *idem_prepare_plan(const char *sql, int nargs, const Oid *argtypes);
 
 /*---- outbox.c: the transactional outbox ----*/
 extern bool idem_outbox_keep_undelivered;

@@ -44,7 +44,7 @@
  *	  replay locks the messages of its range.
  *
  * Everything runs with the caller's privileges (README "Inbox"), through
- * generic plans prepared with search_path pinned (leases.c); the direct
+ * generic plans prepared with search_path pinned (idempotency.c); the direct
  * write of a message checks INSERT on idempotency.inbox_messages as a
  * routed insert would.  Claims should run in READ COMMITTED, like the
  * outbox's.
@@ -129,14 +129,7 @@ typedef enum
 	NUM_STATEMENTS
 } InboxStatement;
 
-typedef struct InboxPlan
-{
-	const char *sql;
-	int			nargs;
-	Oid			argtypes[6];
-} InboxPlan;
-
-static const InboxPlan inbox_plans[NUM_STATEMENTS] = {
+static const IdemStatement inbox_plans[NUM_STATEMENTS] = {
 	/* a key that has received before: a plain (HOT) update of its counter */
 	[ST_NEXT_SEQ] = {
 		"UPDATE idempotency.inbox_sequences SET last_seq = last_seq + 1"
@@ -247,20 +240,11 @@ static const InboxPlan inbox_plans[NUM_STATEMENTS] = {
 
 static SPIPlanPtr prepared[NUM_STATEMENTS];
 
-/* Run a statement; nulls as SPI wants them (' ' or 'n'), NULL for none. */
+/* Run a statement (see idem_statement_exec). */
 static uint64
 inbox_exec(InboxStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc;
-
-	if (prepared[st] == NULL)
-		prepared[st] = idem_prepare_plan(inbox_plans[st].sql, inbox_plans[st].nargs,
-										 inbox_plans[st].argtypes);
-	rc = SPI_execute_plan(prepared[st], values, nulls, false, 0);
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_plan failed (%s): %s",
-			 SPI_result_code_string(rc), inbox_plans[st].sql);
-	return SPI_processed;
+	return idem_statement_exec(&inbox_plans[st], &prepared[st], values, nulls, expected);
 }
 
 static Datum

@@ -4,11 +4,10 @@
  *	  What the outbox (outbox.c) and the inbox (inbox.c) share, so that it
  *	  is written once: time-ordered row ids that say where a row is, row
  *	  times unique within a transaction, lease tokens, the backoff and
- *	  dead-letter rule after a failed attempt, the checks of their
- *	  arguments, and generic plans prepared with search_path pinned.
+ *	  dead-letter rule after a failed attempt, and the checks of their
+ *	  arguments.
  *
- * Locking rules: none.  Nothing here touches a table; the plans prepared
- * here take whatever locks their statements take when they run.
+ * Locking rules: none; nothing here touches a table.
  *
  *-------------------------------------------------------------------------
  */
@@ -17,12 +16,10 @@
 #include "access/transam.h"
 #include "catalog/pg_type.h"
 #include "common/pg_prng.h"
-#include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
-#include "utils/guc.h"
 #include "utils/lsyscache.h"
 #include "utils/timestamp.h"
 
@@ -369,27 +366,4 @@ idem_result_tupdesc(FunctionCallInfo fcinfo)
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("function returning record called in context that cannot accept type record")));
 	return BlessTupleDesc(desc);
-}
-
-/*---- statements ----*/
-
-/*
- * A statement prepared for the life of the backend, with search_path pinned
- * (its names are schema-qualified; no function or operator a user put on
- * the path can stand in).  Generic plans: every statement of the outbox and
- * the inbox is an index probe or an ordered index scan whatever the
- * arguments, and planning each call would cost more than the work.
- */
-SPIPlanPtr
-idem_prepare_plan(const char *sql, int nargs, const Oid *argtypes)
-{
-	int			nestlevel = idem_pin_search_path();
-	SPIPlanPtr	plan;
-
-	plan = SPI_prepare_cursor(sql, nargs, (Oid *) argtypes, CURSOR_OPT_GENERIC_PLAN);
-	if (plan == NULL)
-		elog(ERROR, "SPI_prepare failed (%s): %s", SPI_result_code_string(SPI_result), sql);
-	AtEOXact_GUC(true, nestlevel);
-	SPI_keepplan(plan);
-	return plan;
 }

@@ -272,14 +272,7 @@ typedef enum
 	NUM_STATEMENTS
 } OutboxStatement;
 
-typedef struct OutboxPlan
-{
-	const char *sql;
-	int			nargs;
-	Oid			argtypes[10];
-} OutboxPlan;
-
-static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
+static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
 	[ST_EMIT_NEXT_SEQ] = {
 		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
@@ -434,26 +427,11 @@ static const OutboxPlan outbox_plans[NUM_STATEMENTS] = {
 
 static SPIPlanPtr prepared[NUM_STATEMENTS];
 
-/* The plan of a statement, prepared on first use (leases.c pins search_path). */
-static SPIPlanPtr
-outbox_plan(OutboxStatement st)
-{
-	if (prepared[st] == NULL)
-		prepared[st] = idem_prepare_plan(outbox_plans[st].sql, outbox_plans[st].nargs,
-										 outbox_plans[st].argtypes);
-	return prepared[st];
-}
-
-/* Run a statement; nulls as SPI wants them (' ' or 'n'), NULL for none. */
+/* Run a statement (see idem_statement_exec). */
 static uint64
 outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc = SPI_execute_plan(outbox_plan(st), values, nulls, false, 0);
-
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_plan failed (%s): %s",
-			 SPI_result_code_string(rc), outbox_plans[st].sql);
-	return SPI_processed;
+	return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
 }
 
 static Datum

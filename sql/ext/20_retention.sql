@@ -16,4 +16,4 @@ COMMENT ON FUNCTION idem_maintain() IS
     'create partitions ahead and drop expired ones; one row per action';
 
 -- The partitions view, which lists the outbox's partitions too, is in
--- 45_partitions.sql.
+-- 60_partitions.sql.

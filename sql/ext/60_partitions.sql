@@ -1,4 +1,5 @@
--- The partitions view: every time partition of the claims and the outbox.
+-- The partitions view: every time partition of the claims, the outbox, the
+-- requests and the inbox.
 --
 -- Claims partitions (store 'claims'): future (premade), current (takes
 -- claims now), sealing (its range has passed; the next maintenance round
@@ -11,6 +12,9 @@
 -- has passed; kept for the retention), pinned (past its retention, but it
 -- holds an undelivered or dead-lettered event), expired (dropped by the next
 -- round that can lock it).
+--
+-- Request partitions (store 'requests'): future, current, sealed (its
+-- range has passed; kept for the retention), expired.
 --
 -- Inbox partitions (store 'inbox'): the same states; pinned means it holds
 -- a message that is not done (pending, leased, waiting or dead).
@@ -51,6 +55,19 @@ SELECT o.relid, o.lower, o.upper,
 FROM idempotency.outbox_partitions o
 CROSS JOIN idempotency.current_settings() s
 UNION ALL
+SELECT q.relid, q.lower, q.upper,
+       CASE
+           WHEN q.lower > now() THEN 'future'
+           WHEN now() < q.upper THEN 'current'
+           WHEN q.upper > now() - s.retention THEN 'sealed'
+           ELSE 'expired'
+       END,
+       NULL, NULL, false,
+       pg_catalog.pg_total_relation_size(q.relid),
+       'requests'
+FROM idempotency.request_partitions q
+CROSS JOIN idempotency.current_settings() s
+UNION ALL
 SELECT i.relid, i.lower, i.upper,
        CASE
            WHEN i.lower > now() THEN 'future'
@@ -65,4 +82,4 @@ SELECT i.relid, i.lower, i.upper,
 FROM idempotency.inbox_partitions i
 CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
-    'time partitions of idempotency.claims, idempotency.outbox_events and idempotency.inbox_messages with range, state and size';
+    'time partitions of idempotency.claims, idempotency.outbox_events, idempotency.requests and idempotency.inbox_messages with range, state and size';

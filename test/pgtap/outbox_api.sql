@@ -190,8 +190,8 @@ SELECT is((SELECT count(*)::int FROM idempotency.outbox_partitions),
 SELECT is((SELECT count(DISTINCT bucket)::int FROM idempotency.outbox_partitions),
           (SELECT count(*)::int FROM idempotency.outbox_partitions),
           'every outbox partition has a bucket of its own');
-SELECT is(ARRAY(SELECT DISTINCT store FROM idempotency.partitions ORDER BY 1), ARRAY['claims', 'outbox'],
-          'idempotency.partitions lists both stores');
+SELECT ok(ARRAY(SELECT DISTINCT store FROM idempotency.partitions) @> ARRAY['claims', 'outbox'],
+          'idempotency.partitions lists the claims and the outbox among its stores');
 SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbox' AND state = 'current'), 1,
           'one current outbox partition');
 SELECT is((SELECT count(*)::int FROM idempotency.partitions WHERE store = 'outbox' AND state = 'future'),

@@ -1,4 +1,4 @@
-# Settings, claims, payload fingerprints, guards and the outbox survive
+# Settings, claims, payload fingerprints, guards, the outbox and requests survive
 # pg_dump | pg_restore into a fresh database: partitions are data (dumped
 # like user tables, attached beside those CREATE EXTENSION made in the
 # target), the registries, settings and outbox state are configuration
@@ -41,6 +41,11 @@ $node->safe_psql('source', q{
 	SELECT count(*) FROM idem_outbox_claim(100, '1 minute', ARRAY['invoice']);
 	SELECT idem_outbox_nack(id, 'poison') FROM idempotency.outbox_events
 	 WHERE aggregate_type = 'invoice';
+	-- requests: one completed, one in progress under a long lease
+	SELECT count(*) FROM idem_request_begin('r1', 'api', '{"amount": 1}');
+	SELECT idem_request_complete('r1', 'api', '{"id": "pay_1"}', 1, 201);
+	SELECT count(*) FROM idem_request_begin('r2', 'api', lease => '1 hour');
+	SELECT idem_request_checkpoint('r2', 'api', 1, 'charged', '{"charge": "ch_2"}');
 });
 
 my $dump = $node->basedir . '/source.dump';
@@ -54,7 +59,7 @@ $node->command_ok(
 is($node->safe_psql('target',
 		'SELECT retention, partition_interval, premake FROM idempotency.settings'),
 	'3 days|01:00:00|2', 'settings restored');
-is($node->safe_psql('target', 'SELECT count(*) FROM idempotency.claims'),
+is($node->safe_psql('target', q{SELECT count(*) FROM idempotency.claims WHERE scope NOT LIKE 'request:%'}),
 	'501', 'every claim restored');
 is($node->safe_psql('target',
 		"SELECT count(*) FROM idem_claim_many(ARRAY(SELECT 'k' || g FROM generate_series(1, 510) g))"),
@@ -105,6 +110,26 @@ is($node->safe_psql('target', q{
 	SELECT count(*) FROM idempotency.outbox_partitions o
 	 WHERE NOT EXISTS (SELECT FROM pg_class c WHERE c.oid = o.relid)}),
 	'0', 'outbox registry points at the restored partitions');
+
+# requests: a completed one replays, one in progress is still held, and
+# payloads still count
+is($node->safe_psql('target', q{
+	SELECT status || ':' || response::text || ':' || response_status
+	  FROM idem_request_begin('r1', 'api', '{"amount": 1}')}),
+	'completed:{"id": "pay_1"}:201', 'a completed request replays its response after restore');
+($ret, $stdout, $stderr) = $node->psql('target',
+	q{SELECT * FROM idem_request_begin('r1', 'api', '{"amount": 2}')});
+like($stderr, qr/another payload/, 'request payloads restored: another payload is still IK001');
+($ret, $stdout, $stderr) = $node->psql('target', q{SELECT * FROM idem_request_begin('r2', 'api')});
+like($stderr, qr/is in progress/, 'a request in progress is still held after restore (IK002)');
+is($node->safe_psql('target', q{
+	SET idempotency.debug_clock_offset = '2h';
+	SELECT status || ':' || attempt || ':' || recovery_point FROM idem_request_begin('r2', 'api')}),
+	'started:2:charged', '... and taken over from its recovery point once its lease ran out');
+is($node->safe_psql('target', q{
+	SELECT count(*) FROM idempotency.requests r JOIN idempotency.request_partitions p
+	    ON p.bucket = r.bucket AND p.relid = r.tableoid}),
+	'2', 'every request is in a registered partition');
 
 $node->stop;
 done_testing();

@@ -56,32 +56,11 @@ FROM generate_series(1, $n) g,
 RETURNING id});
 }
 
-# a psql session in the background fed SQL; returns a hash with its handle
-# and buffers; waits for MARKER (echoed after the SQL) unless MARKER is undef
+# a psql session in the background fed SQL (see IdemTest's bg_psql)
 sub bg_session
 {
 	my ($name, $sql, $marker) = @_;
-	my %s = (in => '', out => '', err => '');
-	$s{h} = IPC::Run::start(
-		[
-			'psql', '-XAtq', '-v', 'ON_ERROR_STOP=1', '-f', '-', '-d',
-			$node->connstr($db) . " application_name=$name"
-		],
-		'<', \$s{in}, '>', \$s{out}, '2>', \$s{err}, $timer);
-	$s{in} .= "$sql\n";
-	if (defined $marker)
-	{
-		$s{in} .= "\\echo $marker\n";
-		$s{h}->pump until $s{out} =~ /$marker/ || $timer->is_expired;
-		die "session $name did not reach $marker: $s{err}"
-		  unless $s{out} =~ /$marker/;
-	}
-	else
-	{
-		# just hand psql the SQL
-		$s{h}->pump while length $s{in} && !$timer->is_expired;
-	}
-	return \%s;
+	return bg_psql($node, $db, $name, $timer, $sql, $marker);
 }
 
 # claim (BATCH, LEASE, TYPE) in one autocommit statement, keeping the rows in

@@ -25,6 +25,7 @@ use JSON::PP;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IdemTest;
 
 my $node = PostgreSQL::Test::Cluster->new('outbox_cdc',
 	($ENV{IDEM_TAP_PORT} ? (port => $ENV{IDEM_TAP_PORT}) : ()));
@@ -81,21 +82,13 @@ sub events
 sub bg_session
 {
 	my ($sql, $marker) = @_;
-	my %s = (in => '', out => '', err => '');
-	$s{h} = IPC::Run::start(
-		[ 'psql', '-XAtq', '-v', 'ON_ERROR_STOP=1', '-f', '-', '-d', $node->connstr($db) ],
-		'<', \$s{in}, '>', \$s{out}, '2>', \$s{err}, $timer);
-	feed(\%s, $sql, $marker);
-	return \%s;
+	return bg_psql($node, $db, 'cdc', $timer, $sql, $marker);
 }
 
 sub feed
 {
 	my ($s, $sql, $marker) = @_;
-	$s->{in} .= "$sql\n\\echo $marker\n";
-	$s->{h}->pump until $s->{out} =~ /$marker/ || $timer->is_expired;
-	die "no $marker: $s->{err}" unless $s->{out} =~ /$marker/;
-	return;
+	return bg_feed($s, $sql, $marker);
 }
 
 # ---------------- (a) wal and both ----------------

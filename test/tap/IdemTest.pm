@@ -11,11 +11,12 @@ use strict;
 use warnings;
 
 use Exporter 'import';
+use IPC::Run;
 use PostgreSQL::Test::Cluster;
 
 our @EXPORT = qw(idem_node worker_conf setup_second_partitions
   worker_pid_sql worker_pid wait_for_workers
-  $newest_sql wait_partitions_ahead);
+  $newest_sql wait_partitions_ahead bg_psql bg_feed);
 
 # upper bound of the newest partition
 our $newest_sql = 'SELECT max(upper) FROM idempotency.partition_registry';
@@ -96,6 +97,44 @@ sub wait_partitions_ahead
 	my ($node, $db) = @_;
 	return $node->poll_query_until($db,
 		"SELECT ($newest_sql) > now() + interval '1 second'");
+}
+
+# A psql session in the background on $db of $node (application_name
+# $name), fed $sql as bg_feed does.  Returns a hash: h (the IPC::Run
+# harness), in, out, err, timer.
+sub bg_psql
+{
+	my ($node, $db, $name, $timer, $sql, $marker) = @_;
+	my %s = (in => '', out => '', err => '', timer => $timer);
+	$s{h} = IPC::Run::start(
+		[
+			'psql', '-XAtq', '-v', 'ON_ERROR_STOP=1', '-f', '-', '-d',
+			$node->connstr($db) . " application_name=$name"
+		],
+		'<', \$s{in}, '>', \$s{out}, '2>', \$s{err}, $timer);
+	bg_feed(\%s, $sql, $marker);
+	return \%s;
+}
+
+# Hand a background session more SQL.  With $marker, wait until psql has
+# echoed it (so everything before it ran); without, only until psql took
+# the text.
+sub bg_feed
+{
+	my ($s, $sql, $marker) = @_;
+	$s->{in} .= "$sql\n";
+	if (defined $marker)
+	{
+		$s->{in} .= "\\echo $marker\n";
+		$s->{h}->pump until $s->{out} =~ /$marker/ || $s->{timer}->is_expired;
+		die "session did not reach $marker: $s->{err}"
+		  unless $s->{out} =~ /$marker/;
+	}
+	else
+	{
+		$s->{h}->pump while length $s->{in} && !$s->{timer}->is_expired;
+	}
+	return;
 }
 
 1;
