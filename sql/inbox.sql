@@ -80,6 +80,7 @@ SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', repeat('k', 2001), '{}'
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', '[]')$$);
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', '"x"')$$);
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', '{"ordering_key": {"a": 1}}')$$);
+SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', '{"ordering_key": true}')$$);
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', '{"ordering_key": ""}')$$);
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'm', '{}', jsonb_build_object('ordering_key', repeat('k', 2001)))$$);
 SELECT pg_temp.try($$SELECT idem_inbox_claim(NULL)$$);

@@ -265,7 +265,7 @@ static const char *const message_column_names[Natts_inbox_messages] = {
 
 /*
  * The ordering key a message's headers carry, as headers->>'ordering_key'
- * gives it, or NULL (no key, or JSON null).
+ * gives it, or NULL (no key, or JSON null); a string or a number.
  */
 static char *
 ordering_key(Jsonb *headers)
@@ -289,13 +289,10 @@ ordering_key(Jsonb *headers)
 			s = DatumGetCString(DirectFunctionCall1(numeric_out,
 													NumericGetDatum(v->val.numeric)));
 			break;
-		case jbvBool:
-			s = pstrdup(v->val.boolean ? "true" : "false");
-			break;
 		default:
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("ordering_key must be a JSON string, not an object or array")));
+					 errmsg("ordering_key in the headers must be a JSON string or number")));
 	}
 	return idem_check_name(cstring_to_text(s), "ordering_key", IDEM_MAX_KEY_BYTES);
 }
