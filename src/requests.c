@@ -190,6 +190,21 @@ attempt_arg(FunctionCallInfo fcinfo, int argno)
 	return attempt;
 }
 
+/* An optional attempt argument: 0 for NULL (whichever is current). */
+static int32
+optional_attempt_arg(FunctionCallInfo fcinfo, int argno)
+{
+	return PG_ARGISNULL(argno) ? 0 : attempt_arg(fcinfo, argno);
+}
+
+/* An argument that may be NULL, as an SPI value and null flag. */
+static void
+nullable_arg(FunctionCallInfo fcinfo, int argno, Datum *value, char *null)
+{
+	*value = PG_ARGISNULL(argno) ? (Datum) 0 : PG_GETARG_DATUM(argno);
+	*null = PG_ARGISNULL(argno) ? 'n' : ' ';
+}
+
 /* An interval argument in microseconds, months as 30 days. */
 static int64
 interval_arg(FunctionCallInfo fcinfo, int argno, const char *what, bool zero_ok)
@@ -582,8 +597,7 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("recovery_point must not be empty")));
 	values[3] = PG_GETARG_DATUM(3);
-	values[4] = PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4);
-	nulls[4] = PG_ARGISNULL(4) ? 'n' : ' ';
+	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
 	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls, false);
 	PG_RETURN_VOID();
@@ -640,22 +654,19 @@ Datum
 idem_request_complete(PG_FUNCTION_ARGS)
 {
 	RequestKey	rk;
-	int32		attempt = 0;
+	int32		attempt;
 	Datum		values[6];
 	char		nulls[7] = "      ";
 
 	request_key_args(fcinfo, &rk);
-	if (!PG_ARGISNULL(3))
-		attempt = attempt_arg(fcinfo, 3);
+	attempt = optional_attempt_arg(fcinfo, 3);
 	if (!PG_ARGISNULL(4) && (PG_GETARG_INT32(4) < 100 || PG_GETARG_INT32(4) > 599))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("response_status must be an HTTP status code (100 to 599)"),
 				 errdetail("%d was given.", PG_GETARG_INT32(4))));
-	values[3] = PG_ARGISNULL(2) ? (Datum) 0 : PG_GETARG_DATUM(2);
-	nulls[3] = PG_ARGISNULL(2) ? 'n' : ' ';
-	values[4] = PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4);
-	nulls[4] = PG_ARGISNULL(4) ? 'n' : ' ';
+	nullable_arg(fcinfo, 2, &values[3], &nulls[3]);
+	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
 	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls, false);
 	PG_RETURN_VOID();
@@ -670,13 +681,12 @@ Datum
 idem_request_abandon(PG_FUNCTION_ARGS)
 {
 	RequestKey	rk;
-	int32		attempt = 0;
+	int32		attempt;
 	Datum		values[4];
 	char		nulls[5] = "    ";
 
 	request_key_args(fcinfo, &rk);
-	if (!PG_ARGISNULL(2))
-		attempt = attempt_arg(fcinfo, 2);
+	attempt = optional_attempt_arg(fcinfo, 2);
 	values[3] = TimestampTzGetDatum(idem_now());
 	/* nothing to forget is fine, but not an attempt that is not the latest */
 	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), values, nulls, PG_ARGISNULL(2));
