@@ -61,6 +61,7 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 /* attempts to lock a partition and the parent for a drop, and the pause */
@@ -604,7 +605,16 @@ load_cache(IdemStoreId id)
 
 	c->registry = idem_internal_relid(stores[id].registry);
 	c->parent = idem_internal_relid(stores[id].parent);
+
+	/*
+	 * Under a snapshot of its own (in READ COMMITTED): a writer reads the
+	 * registry again after finding its cached partition dropped, and the
+	 * snapshot of the statement it runs in (which may have waited, say for
+	 * a claim) can predate that drop and list the partition still.
+	 */
+	PushActiveSnapshot(GetTransactionSnapshot());
 	parts = read_partitions(&stores[id], &n);
+	PopActiveSnapshot();
 	qsort(parts, n, sizeof(StorePartition), newest_first);
 	old = MemoryContextSwitchTo(CacheMemoryContext);
 	if (c->parts != NULL)
