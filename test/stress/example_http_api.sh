@@ -38,6 +38,7 @@ tmp=$(mktemp -d)
 pids=()
 cleanup() {
     local rc=$? p
+    set +e
     for p in "${pids[@]}"; do
         { kill "$p" && wait "$p"; } 2>/dev/null
     done
