@@ -85,25 +85,26 @@ def check(cond, msg):
     print(("ok: " if cond else "FAIL: ") + msg, flush=True)
     failures += not cond
 
-def deliver(source, delivery_id, body, ordering_key=None, retry=True):
-    """POST a webhook until it is answered (a sender retries on errors); (status, json body)."""
+def deliver(source, delivery_id, body, ordering_key=None):
+    """POST a webhook until it is answered, retrying errors for up to 20 s; (status, json body)."""
     headers = {"Content-Type": "application/json"}
     if delivery_id is not None:
         headers["X-Delivery-Id"] = delivery_id
     if ordering_key:
         headers["X-Ordering-Key"] = ordering_key
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    deadline = time.monotonic() + 20
     while True:
         req = urllib.request.Request(f"{URL}/webhooks/{source}", data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            if e.code < 500 or not retry:
+            if e.code < 500 or time.monotonic() > deadline:
                 return e.code, json.loads(e.read())
-        except OSError:
-            if not retry:
-                raise
+        except OSError as e:
+            if time.monotonic() > deadline:
+                return None, {"error": repr(e)}
         time.sleep(0.2)
 
 def sql(query, *params):
@@ -162,6 +163,8 @@ def send():
     t0 = time.monotonic()
 
     def one(src, mid, okey=None):
+        if len(bad) > 10:                       # broken: stop sending, fail below
+            return
         st, b = deliver(src, mid, sent[(src, mid)], okey)
         with lock:
             if st == 200:
