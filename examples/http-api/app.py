@@ -183,6 +183,8 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 self.send(*handle_payment(key, req))
             except psycopg2.Error as e:
+                if e.pgcode == "IK003":
+                    self.log_error("lease lost: %s", e.diag.message_primary)
                 raise db_error_to_http(e) or e
         except HTTPError as e:
             self.send(e.status, e.body, {"Retry-After": e.retry_after} if e.retry_after else None)
@@ -190,9 +192,9 @@ class Handler(BaseHTTPRequestHandler):
             self.log_error("internal error: %r", e)
             self.send(500, {"error": "internal error"})
 
-    def log_message(self, fmt, *a):
+    def log_request(self, code="-", size="-"):     # errors are logged always, requests with --verbose
         if args.verbose:
-            super().log_message(fmt, *a)
+            super().log_request(code, size)
 
 
 if __name__ == "__main__":

@@ -82,9 +82,9 @@ class Handler(BaseHTTPRequestHandler):
         out = charge(key, req)
         self.reply(out["status"], out["body"])
 
-    def log_message(self, fmt, *a):
+    def log_request(self, code="-", size="-"):     # errors are logged always, requests with --verbose
         if args.verbose:
-            super().log_message(fmt, *a)
+            super().log_request(code, size)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.send(500, {"error": "internal error"})    # the sender retries later
         self.send(200, {"duplicate": not new})
 
-    def log_message(self, fmt, *a):
+    def log_request(self, code="-", size="-"):     # errors are logged always, requests with --verbose
         if args.verbose:
-            super().log_message(fmt, *a)
+            super().log_request(code, size)
 
 
 if __name__ == "__main__":

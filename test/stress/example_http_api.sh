@@ -204,9 +204,9 @@ def functional():
     (rows,), = sql("SELECT count(*) FROM payments")
     check(rows == 5, f"payments: {rows} rows (f-new, f-decline, f-concurrent, f-held, f-crashed)")
 
-def stress(nkeys, nclients):
+def stress(prefix, nkeys, nclients):
     rnd = random.Random(42)
-    keys = [f"s-{i:04d}" for i in range(nkeys)]
+    keys = [f"{prefix}-{i:04d}" for i in range(nkeys)]
     bodies = {k: {"customer": f"cus_{i % 37}", "amount": rnd.randint(100, 99999), "currency": "EUR"}
               for i, k in enumerate(keys)}
     tasks = queue.Queue()
@@ -280,7 +280,7 @@ def stress(nkeys, nclients):
     print(f"provider: {sum(c.get('requests', 0) for c in prov.values())} charge requests for "
           f"{len(prov)} keys; {multi} keys were sent more than once and charged once (its key dedup)")
 
-    rows = {k: (s, c) for k, s, c in sql("SELECT key, status, charge_id FROM payments WHERE key LIKE 's-%%'")}
+    rows = {k: (s, c) for k, s, c in sql("SELECT key, status, charge_id FROM payments WHERE key LIKE %s", prefix + "-%")}
     good = [k for k in ok201 if rows.get(k) == ("succeeded", prov[k]["id"])] + \
            [k for k in ok402 if rows.get(k) == ("declined", None)]
     check(len(rows) == nkeys and len(good) == nkeys,
@@ -288,14 +288,14 @@ def stress(nkeys, nclients):
 
     stored = sql("""SELECT p.key, b.status, b.response_status, b.response
                     FROM payments p, idem_request_begin(p.key, 'payments', p.request) b
-                    WHERE p.key LIKE 's-%%'""")
+                    WHERE p.key LIKE %s""", prefix + "-%")
     same = [k for k, s, rs, r in stored if s == "completed" and (rs, r.encode()) == answers[k][0][:2]]
     check(len(same) == nkeys, f"{len(same)} of {nkeys} stored responses are 'completed' and equal to the answer served")
 
 if phase == "functional":
     functional()
 else:
-    stress(int(sys.argv[4]), int(sys.argv[5]))
+    stress(phase, int(sys.argv[4]), int(sys.argv[5]))
 sys.exit(1 if failures else 0)
 PY
 
@@ -311,7 +311,16 @@ echo "stress: provider hangs 10 % of requests (1.5 s, past the API's 0.7 s timeo
 serve provider "$(port 0)" "$EX/provider.py" --hang 1.5 --timeout-rate 0.1 --decline-rate 0.05
 provider=$URL
 serve api "$(port 1)" "$EX/app.py" --provider "$provider" --pool 30
-"$PY" "$tmp/check.py" stress "$URL" "$provider" "${IDEM_EXAMPLE_KEYS:-500}" "${IDEM_EXAMPLE_CLIENTS:-50}" || failed=1
+"$PY" "$tmp/check.py" s "$URL" "$provider" "${IDEM_EXAMPLE_KEYS:-500}" "${IDEM_EXAMPLE_CLIENTS:-50}" || failed=1
+stop_all
+
+echo "takeovers: the API's lease (0.25 s) is shorter than many provider calls (0.05-0.4 s): retries take over"
+echo "from holders still at work, which then get IK003 (409); same provider failures"
+serve provider "$(port 0)" "$EX/provider.py" --hang 1.5 --timeout-rate 0.1 --decline-rate 0.05
+provider=$URL
+serve api "$(port 1)" "$EX/app.py" --provider "$provider" --pool 30 --lease '0.25 seconds'
+"$PY" "$tmp/check.py" t "$URL" "$provider" 200 25 || failed=1
+echo "the API got IK003 (lease lost: taken over) $(grep -c 'lease lost' "$tmp/api.log" || true) times, answered 409"
 stop_all
 
 if [[ $failed -ne 0 ]]; then
