@@ -42,7 +42,11 @@ def run_once(conn):
     for id, source, message_id, payload, headers, token in batch:
         okey = (source, headers.get("ordering_key"))
         if okey[1] is not None and okey in held_back:
-            continue        # still leased to us: claimed again after the lease ends, behind the failed one
+            # not applied before the failed one: back to the inbox, handed out again after it
+            with conn, conn.cursor() as cur:
+                cur.execute("SELECT idem_inbox_fail(%s, %s, NULL, %s)",
+                            (id, f"held back behind a failed message of ordering key {okey[1]}", token))
+            continue
         try:
             with conn, conn.cursor() as cur:          # one transaction: effect + done
                 apply(cur, source, message_id, payload, args.name)

@@ -250,6 +250,12 @@ def verify():
     check(dead == 0, f"{dead} messages dead-lettered")
     by = dict(sql("SELECT worker, count(*) FROM ledger WHERE account <> 'func-1' GROUP BY worker"))
     check(len(by) >= 2, f"messages applied by worker: {dict(sorted(by.items()))}")
+    try:                            # information only: the inbox's own table
+        (again, most), = sql("SELECT count(*) FILTER (WHERE attempts > 1), max(attempts) FROM idempotency.inbox_messages")
+        print(f"{again} messages were handed out more than once (failures, held back, lost leases), "
+              f"at most {most} times", flush=True)
+    except psycopg2.Error:
+        pass
 
 {"functional": functional, "send": send, "verify": verify}[phase]()
 sys.exit(1 if failures else 0)
