@@ -14,30 +14,33 @@ Database: libpq environment (PGHOST, PGPORT, PGDATABASE, PGUSER) or --dsn.
 import argparse
 import json
 import queue
+import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg2
 
 args = None
-idle = queue.LifoQueue()        # open connections, one per busy request thread at most
+idle = queue.LifoQueue()        # open connections not in use
+slots = None                    # at most --pool connections in use
 
 
 def receive(source, delivery_id, body, ordering_key):
     """idem_inbox_receive in its own transaction: True when new, False for a duplicate."""
-    try:
-        conn = idle.get_nowait()
-    except queue.Empty:
-        conn = psycopg2.connect(args.dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute("SELECT idem_inbox_receive(%s, %s, %s, %s)",
-                        (source, delivery_id, body,
-                         json.dumps({"ordering_key": ordering_key} if ordering_key else {})))
-            return cur.fetchone()[0]
-    finally:
-        if not conn.closed:
-            idle.put(conn)
+    with slots:
+        try:
+            conn = idle.get_nowait()
+        except queue.Empty:
+            conn = psycopg2.connect(args.dsn)
+        try:
+            with conn, conn.cursor() as cur:
+                cur.execute("SELECT idem_inbox_receive(%s, %s, %s, %s)",
+                            (source, delivery_id, body,
+                             json.dumps({"ordering_key": ordering_key} if ordering_key else {})))
+                return cur.fetchone()[0]
+        finally:
+            if not conn.closed:             # a broken connection is dropped
+                idle.put(conn)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -82,8 +85,10 @@ if __name__ == "__main__":
     p.add_argument("--dsn", default="", help="libpq connection string (default: PG* environment)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)
+    p.add_argument("--pool", type=int, default=10, help="database connections")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    slots = threading.BoundedSemaphore(args.pool)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     print(f"webhook receiver listening on http://{args.host}:{server.server_port}", flush=True)
