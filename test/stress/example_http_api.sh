@@ -55,11 +55,11 @@ trap cleanup EXIT
 # serve NAME PORT SCRIPT ARGS...: start an example server in the background
 # and wait until it prints its URL; sets URL
 serve() {
-    local name=$1 port=$2 i
+    local name=$1 port=$2
     shift 2
     "$PY" "$@" --port "$port" >"$tmp/$name.log" 2>&1 &
     pids+=($!)
-    for i in $(seq 100); do
+    for _ in $(seq 100); do
         URL=$(grep -o 'http://[0-9.]*:[0-9]*' "$tmp/$name.log" | head -n 1 || true)
         [[ -n $URL ]] && return 0
         kill -0 "${pids[-1]}" 2>/dev/null || break

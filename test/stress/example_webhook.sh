@@ -56,7 +56,7 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/sch
 "$PY" "$EX/receiver.py" --port "$PORT" >"$tmp/receiver.log" 2>&1 &
 pids+=($!)
 URL=''
-for i in $(seq 100); do
+for _ in $(seq 100); do
     URL=$(grep -o 'http://[0-9.]*:[0-9]*' "$tmp/receiver.log" | head -n 1 || true)
     [[ -n $URL ]] && break
     sleep 0.1
