@@ -139,8 +139,10 @@ def handle_payment(key, req):
                     cur.execute("SELECT idem_request_checkpoint(%s, %s, %s, 'charged', %s)",
                                 (key, SCOPE, attempt, json.dumps(charge)))
         return charge_status, finish(key, attempt, req, charge_status, charge), {}
-    except psycopg2.Error as e:
-        if e.pgcode != "IK003":                   # anything unforeseen: forget the key, so a
+    except HTTPError:
+        raise
+    except Exception as e:
+        if getattr(e, "pgcode", None) != "IK003":  # anything unforeseen: forget the key, so a
             with contextlib.suppress(psycopg2.Error):   # retry starts again (the provider dedups)
                 with pool.transaction() as cur:
                     cur.execute("SELECT idem_request_abandon(%s, %s, %s)", (key, SCOPE, attempt))
