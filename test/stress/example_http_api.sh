@@ -234,8 +234,9 @@ def stress(prefix, nkeys, nclients):
                 count("requests")
                 try:
                     st, b, h = post(key, bodies[key], timeout=1.0)
-                except (OSError, urllib.error.URLError):   # timeout, reset: send again
-                    count("client timeouts")
+                except (OSError, urllib.error.URLError):   # timeout, reset: send again, after a
+                    count("client timeouts")                # jittered pause as good clients do
+                    time.sleep(random.uniform(0.1, 0.5))
                     continue
                 if st in (201, 402):
                     with lock:
