@@ -10,7 +10,8 @@ CREATE EXTENSION idempotency;
 
 -- The partitions view lists claims and outbox partitions (column store);
 -- CREATE EXTENSION makes the current partition and premake (4) more of each.
-SELECT store, state, count(*) FROM idempotency.partitions GROUP BY 1, 2 ORDER BY 1, 2;
+SELECT store, state, count(*) FROM idempotency.partitions WHERE store IN ('claims', 'outbox')
+ GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- 1. Emit: seq counts 1, 2, 3 ... per (aggregate_type, aggregate_id)
 SELECT aggregate_type, aggregate_id, seq, event_type, payload, headers, attempts,

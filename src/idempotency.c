@@ -29,6 +29,7 @@ _PG_init(void)
 	idem_guards_init();
 	idem_store_init();
 	idem_outbox_init();
+	idem_inbox_init();
 	idem_worker_init();
 }
 

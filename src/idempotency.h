@@ -8,7 +8,9 @@
  * claim reads), filters.c (Bloom filters of sealed partitions, in shared or
  * backend memory), retention.c (the maintenance round and idem_configure),
  * worker.c (the background worker), outbox.c (the transactional outbox:
- * emit and the relay API), requests.c (stored responses for
+ * emit and the relay API), inbox.c (the inbox: receive, claim, done, fail,
+ * replay), leases.c (what the outbox and the inbox share: row ids, lease
+ * tokens, backoff, argument checks), requests.c (stored responses for
  * Idempotency-Key requests), store.c (the time partitions of the outbox's
  * events and of the requests) and rows.c (rows written without the
  * executor, for claims, events and requests); guarded
@@ -26,6 +28,7 @@
 
 #include "datatype/timestamp.h"
 #include "utils/elog.h"
+#include "fmgr.h"
 #include "utils/relcache.h"
 #include "access/transam.h"
 #include "utils/snapshot.h"
@@ -227,6 +230,7 @@ typedef enum IdemStoreId
 {
 	IDEM_STORE_OUTBOX,
 	IDEM_STORE_REQUESTS,
+	IDEM_STORE_INBOX,
 	IDEM_NSTORES
 } IdemStoreId;
 
@@ -241,11 +245,36 @@ extern Relation idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bu
 									   const char *const *columns, int ncolumns);
 extern void idem_stores_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);
 
+/*---- leases.c: what the outbox and the inbox share ----*/
+extern void idem_row_id(TimestampTz ts, int32 bucket, FullTransactionId txid, pg_uuid_t *id);
+extern bool idem_row_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
+							  FullTransactionId *txid);
+extern void idem_row_id_bound(TimestampTz ts, pg_uuid_t *id);
+extern TimestampTz idem_row_time(FullTransactionId txid);
+extern void idem_lease_token(pg_uuid_t *token);
+extern int64 idem_backoff_usecs(int32 attempts);
+extern bool idem_attempt_failed(int32 attempts, int max_attempts, int64 retry_after,
+								TimestampTz now, TimestampTz *retry_at);
+extern void idem_null_argument(const char *what) pg_attribute_noreturn();
+extern char *idem_check_name(text *t, const char *what, int maxbytes);
+extern char *idem_name_arg(FunctionCallInfo fcinfo, int argno, const char *what, int maxbytes);
+extern Jsonb *idem_check_object(Jsonb *j, const char *what);
+extern Jsonb *idem_empty_object(void);
+extern int64 idem_interval_usecs(Interval *iv);
+extern int64 idem_positive_interval_arg(FunctionCallInfo fcinfo, int argno, const char *what);
+extern int64 idem_retry_after_arg(FunctionCallInfo fcinfo, int argno, const char *what);
+extern int32 idem_batch_arg(FunctionCallInfo fcinfo, int argno, const char *what, int32 max);
+extern int	idem_array_arg(FunctionCallInfo fcinfo, int argno, const char *what, Oid elemtype,
+						   Datum **elems);
+extern Datum idem_build_array(Datum *elems, bool *nulls, int n, Oid elemtype);
+extern struct TupleDescData *idem_result_tupdesc(FunctionCallInfo fcinfo);
+
 /*---- outbox.c: the transactional outbox ----*/
 extern bool idem_outbox_keep_undelivered;
 extern void idem_outbox_init(void);
-extern bool idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *created_at, int32 *bucket,
-								 FullTransactionId *txid);
+
+/*---- inbox.c: the inbox ----*/
+extern void idem_inbox_init(void);
 
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);

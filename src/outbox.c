@@ -107,10 +107,6 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 /* most events one claim hands out */
 #define OUTBOX_MAX_BATCH		10000
 
-/* backoff after a failure: 1 s, doubling, at most an hour */
-#define OUTBOX_BACKOFF_FIRST_USECS	USECS_PER_SEC
-#define OUTBOX_BACKOFF_MAX_USECS	(USECS_PER_SEC * SECS_PER_HOUR)
-
 /* rows a claim reads from its cursor at a time */
 #define OUTBOX_SCAN_CHUNK		256
 
@@ -444,231 +440,6 @@ spi_col(uint64 row, int col, bool *isnull)
 	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
 }
 
-/*---- ids and tokens ----*/
-
-/*
- * An event's id: a UUIDv7 (RFC 9562) that says where the event is.  48 bits
- * of Unix milliseconds, the microseconds within that millisecond in the 12
- * bits of rand_a (its "increased clock precision" use); after the variant,
- * 62 bits: the partition's 24-bit bucket, the low 32 bits of the emitting
- * transaction id and 6 random bits.  So an ack finds an event with one
- * probe of one partition's (txid, id) index, ids sort by time, and ids are
- * unique: a transaction's events are emitted by one backend, whose
- * timestamps never repeat (see event_time()).
- */
-static void
-outbox_event_id(TimestampTz ts, int32 bucket, FullTransactionId txid, pg_uuid_t *id)
-{
-	int64		unix_us = ts + (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
-	uint64		ms = (uint64) (unix_us / 1000);
-	uint32		sub = (uint32) (unix_us % 1000);
-	uint64		low = ((uint64) (bucket & 0xFFFFFF) << 38)
-		| ((uint64) XidFromFullTransactionId(txid) << 6)
-		| (pg_prng_uint32(&pg_global_prng_state) & 0x3F);
-
-	for (int i = 0; i < 6; i++)
-		id->data[i] = (uint8) (ms >> (8 * (5 - i)));
-	id->data[6] = (uint8) (0x70 | ((sub >> 8) & 0x0F));
-	id->data[7] = (uint8) (sub & 0xFF);
-	id->data[8] = (uint8) (0x80 | ((low >> 56) & 0x3F));
-	for (int i = 9; i < 16; i++)
-		id->data[i] = (uint8) (low >> (8 * (15 - i)));
-}
-
-/*
- * What an event id says: created_at, the bucket and the emitting
- * transaction (its epoch taken as the latest that makes it not newer than
- * the next transaction id; events live far less than 2^31 transactions).
- * False if it is not an event id.
- */
-bool
-idem_outbox_id_parts(const pg_uuid_t *id, TimestampTz *ts, int32 *bucket,
-					 FullTransactionId *txid)
-{
-	uint64		ms = 0;
-	uint64		low = 0;
-	uint32		sub;
-
-	if ((id->data[6] & 0xF0) != 0x70 || (id->data[8] & 0xC0) != 0x80)
-		return false;
-	for (int i = 0; i < 6; i++)
-		ms = (ms << 8) | id->data[i];
-	sub = ((uint32) (id->data[6] & 0x0F) << 8) | id->data[7];
-	if (sub >= 1000)
-		return false;
-	if (ts != NULL)
-		*ts = (TimestampTz) (ms * 1000 + sub)
-			- (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY;
-	low = id->data[8] & 0x3F;
-	for (int i = 9; i < 16; i++)
-		low = (low << 8) | id->data[i];
-	if (bucket != NULL)
-		*bucket = (int32) (low >> 38);
-	if (txid != NULL)
-	{
-		TransactionId xid = (TransactionId) ((low >> 6) & 0xFFFFFFFF);
-		FullTransactionId next = ReadNextFullTransactionId();
-		uint32		epoch = EpochFromFullTransactionId(next);
-
-		if (xid >= XidFromFullTransactionId(next) && epoch > 0)
-			epoch--;
-		*txid = FullTransactionIdFromEpochAndXid(epoch, xid);
-	}
-	return true;
-}
-
-/*
- * The time of an event emitted now by transaction txid: the extension's
- * clock, but within one transaction never the same microsecond twice (so
- * its ids are unique: see outbox_event_id()) and never back.
- */
-static TimestampTz
-event_time(FullTransactionId txid)
-{
-	static FullTransactionId last_txid = {0};
-	static TimestampTz last = 0;
-	TimestampTz now = idem_now();
-
-	if (!FullTransactionIdEquals(txid, last_txid))
-	{
-		last_txid = txid;
-		last = now;
-		return now;
-	}
-	last = now > last ? now : last + 1;
-	return last;
-}
-
-/* a random (version 4) lease token */
-static void
-outbox_token(pg_uuid_t *token)
-{
-	uint64		a = pg_prng_uint64(&pg_global_prng_state);
-	uint64		b = pg_prng_uint64(&pg_global_prng_state);
-
-	memcpy(token->data, &a, 8);
-	memcpy(token->data + 8, &b, 8);
-	token->data[6] = (token->data[6] & 0x0F) | 0x40;
-	token->data[8] = (token->data[8] & 0x3F) | 0x80;
-}
-
-/*---- argument checks ----*/
-
-static void
-null_argument(const char *what)
-{
-	ereport(ERROR,
-			(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-			 errmsg("%s must not be null", what)));
-}
-
-/* a name: not NULL, not empty, at most maxbytes */
-static char *
-check_name(text *t, const char *what, int maxbytes)
-{
-	int			len = VARSIZE_ANY_EXHDR(t);
-
-	if (len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must not be empty", what)));
-	if (len > maxbytes)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("%s is too long", what),
-				 errdetail("It is %d bytes long; the limit is %d bytes.", len, maxbytes)));
-	return text_to_cstring(t);
-}
-
-static char *
-name_arg(FunctionCallInfo fcinfo, int argno, const char *what, int maxbytes)
-{
-	if (PG_ARGISNULL(argno))
-		null_argument(what);
-	return check_name(PG_GETARG_TEXT_PP(argno), what, maxbytes);
-}
-
-static Jsonb *
-check_headers(Jsonb *headers)
-{
-	if (!JB_ROOT_IS_OBJECT(headers) || JB_ROOT_IS_SCALAR(headers))
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("outbox event headers must be a JSON object")));
-	return headers;
-}
-
-static Jsonb *
-empty_headers(void)
-{
-	return DatumGetJsonbP(DirectFunctionCall1(jsonb_in, CStringGetDatum("{}")));
-}
-
-/* an interval as microseconds, months counting as 30 days */
-static int64
-interval_usecs(Interval *iv)
-{
-	return iv->time + ((int64) iv->month * DAYS_PER_MONTH + iv->day) * USECS_PER_DAY;
-}
-
-static int64
-positive_interval_arg(FunctionCallInfo fcinfo, int argno, const char *what)
-{
-	int64		usecs;
-
-	if (PG_ARGISNULL(argno))
-		null_argument(what);
-	usecs = interval_usecs(PG_GETARG_INTERVAL_P(argno));
-	if (usecs <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be positive", what)));
-	return usecs;
-}
-
-/* the non-NULL elements of a one-dimensional array argument */
-static int
-array_arg(FunctionCallInfo fcinfo, int argno, const char *what, Oid elemtype,
-		  Datum **elems)
-{
-	ArrayType  *arr;
-	bool	   *nulls;
-	int			n;
-	int16		typlen;
-	bool		typbyval;
-	char		typalign;
-
-	if (PG_ARGISNULL(argno))
-		null_argument(what);
-	arr = PG_GETARG_ARRAYTYPE_P(argno);
-	if (ARR_NDIM(arr) > 1)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be a one-dimensional array", what)));
-	get_typlenbyvalalign(elemtype, &typlen, &typbyval, &typalign);
-	deconstruct_array(arr, elemtype, typlen, typbyval, typalign, elems, &nulls, &n);
-	for (int i = 0; i < n; i++)
-		if (nulls[i])
-			ereport(ERROR,
-					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-					 errmsg("%s must not contain nulls", what)));
-	return n;
-}
-
-static Datum
-build_array(Datum *elems, bool *nulls, int n, Oid elemtype)
-{
-	int			dims[1] = {n};
-	int			lbs[1] = {1};
-	int16		typlen;
-	bool		typbyval;
-	char		typalign;
-
-	get_typlenbyvalalign(elemtype, &typlen, &typbyval, &typalign);
-	return PointerGetDatum(construct_md_array(elems, nulls, 1, dims, lbs, elemtype,
-											  typlen, typbyval, typalign));
-}
-
 /*---- emitting ----*/
 
 /* what an emit hands the caller and logical decoding */
@@ -776,18 +547,6 @@ event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
 		nulls[9] = nulls[10] = true;
 }
 
-static TupleDesc
-event_tupdesc(FunctionCallInfo fcinfo)
-{
-	TupleDesc	desc;
-
-	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
-		ereport(ERROR,
-				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("function returning record called in context that cannot accept type record")));
-	return BlessTupleDesc(desc);
-}
-
 /* The emitting transaction, as stored with each event. */
 static FullTransactionId
 emitting_transaction(void)
@@ -838,29 +597,29 @@ Datum
 idem_outbox_emit(PG_FUNCTION_ARGS)
 {
 	OutboxEvent ev;
-	TupleDesc	desc = event_tupdesc(fcinfo);
+	TupleDesc	desc = idem_result_tupdesc(fcinfo);
 	Datum		values[2];
 	uint64		n;
 	int32		bucket;
 	Relation	rel = NULL;
 	FullTransactionId txid;
 
-	ev.aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
-	ev.aggregate_id = name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
-	ev.event_type = name_arg(fcinfo, 2, "event_type", OUTBOX_MAX_EVENT_TYPE_BYTES);
+	ev.aggregate_type = idem_name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
+	ev.aggregate_id = idem_name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
+	ev.event_type = idem_name_arg(fcinfo, 2, "event_type", OUTBOX_MAX_EVENT_TYPE_BYTES);
 	if (PG_ARGISNULL(3))
-		null_argument("payload");
+		idem_null_argument("payload");
 	ev.payload = PG_GETARG_JSONB_P(3);
-	ev.headers = PG_ARGISNULL(4) ? empty_headers() : check_headers(PG_GETARG_JSONB_P(4));
+	ev.headers = PG_ARGISNULL(4) ? idem_empty_object() : idem_check_object(PG_GETARG_JSONB_P(4), "outbox event headers");
 	txid = emitting_transaction();
-	ev.created_at = event_time(txid);
+	ev.created_at = idem_row_time(txid);
 
 	SPI_connect();
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(ev.created_at, &bucket);
 	else
 		bucket = idem_store_target(IDEM_STORE_OUTBOX, ev.created_at, NULL, NULL);
-	outbox_event_id(ev.created_at, bucket, txid, &ev.id);
+	idem_row_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
@@ -910,7 +669,7 @@ Datum
 idem_outbox_emit_many(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	char	   *aggregate_type = name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
+	char	   *aggregate_type = idem_name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
 	Datum	   *ids;
 	Datum	   *types;
 	Datum	   *payloads;
@@ -921,17 +680,17 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	Datum	   *counts;			/* events per aggregate */
 	int64	   *next_seq;
 	OutboxEvent *evs;
-	Jsonb	   *none = empty_headers();
+	Jsonb	   *none = idem_empty_object();
 	FullTransactionId txid = emitting_transaction();
-	TimestampTz now = event_time(txid);
+	TimestampTz now = idem_row_time(txid);
 	int32		bucket;
 	Relation	rel = NULL;
 
 	InitMaterializedSRF(fcinfo, 0);
-	n = array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
-	if (array_arg(fcinfo, 2, "event_types", TEXTOID, &types) != n ||
-		array_arg(fcinfo, 3, "payloads", JSONBOID, &payloads) != n ||
-		(!PG_ARGISNULL(4) && array_arg(fcinfo, 4, "headers", JSONBOID, &headers) != n))
+	n = idem_array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
+	if (idem_array_arg(fcinfo, 2, "event_types", TEXTOID, &types) != n ||
+		idem_array_arg(fcinfo, 3, "payloads", JSONBOID, &payloads) != n ||
+		(!PG_ARGISNULL(4) && idem_array_arg(fcinfo, 4, "headers", JSONBOID, &headers) != n))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("aggregate_ids, event_types, payloads and headers must have the same length")));
@@ -950,13 +709,13 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	for (int i = 0; i < n; i++)
 	{
 		evs[i].aggregate_type = aggregate_type;
-		evs[i].aggregate_id = check_name(DatumGetTextPP(ids[i]), "aggregate_id", IDEM_MAX_KEY_BYTES);
-		evs[i].event_type = check_name(DatumGetTextPP(types[i]), "event_type",
+		evs[i].aggregate_id = idem_check_name(DatumGetTextPP(ids[i]), "aggregate_id", IDEM_MAX_KEY_BYTES);
+		evs[i].event_type = idem_check_name(DatumGetTextPP(types[i]), "event_type",
 									   OUTBOX_MAX_EVENT_TYPE_BYTES);
 		evs[i].payload = DatumGetJsonbP(payloads[i]);
-		evs[i].headers = headers != NULL ? check_headers(DatumGetJsonbP(headers[i])) : none;
-		evs[i].created_at = i == 0 ? now : event_time(txid);
-		outbox_event_id(evs[i].created_at, bucket, txid, &evs[i].id);
+		evs[i].headers = headers != NULL ? idem_check_object(DatumGetJsonbP(headers[i]), "outbox event headers") : none;
+		evs[i].created_at = i == 0 ? now : idem_row_time(txid);
+		idem_row_id(evs[i].created_at, bucket, txid, &evs[i].id);
 		names[i] = (char *) evs[i].aggregate_id;
 	}
 
@@ -984,8 +743,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		for (int a = 0; a < nagg; a++)
 			name_datums[a] = CStringGetTextDatum(names[a]);
 		values[0] = CStringGetTextDatum(aggregate_type);
-		values[1] = build_array(name_datums, NULL, nagg, TEXTOID);
-		values[2] = build_array(counts, NULL, nagg, INT8OID);
+		values[1] = idem_build_array(name_datums, NULL, nagg, TEXTOID);
+		values[2] = idem_build_array(counts, NULL, nagg, INT8OID);
 		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
 		if (got != (uint64) nagg)
 			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);
@@ -1135,7 +894,7 @@ write_deliveries(Delivery *ds, int n)
 	if (m > 0)
 	{
 		for (int c = 0; c < 9; c++)
-			values[c] = build_array(v[c], isnull[c], m, elemtypes[c]);
+			values[c] = idem_build_array(v[c], isnull[c], m, elemtypes[c]);
 		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
 	}
 	for (int i = 0; i < n; i++)
@@ -1163,8 +922,8 @@ key_arrays(char **types, char **ids, int n, Datum *values)
 		t[k] = CStringGetTextDatum(types[k]);
 		i[k] = CStringGetTextDatum(ids[k]);
 	}
-	values[0] = build_array(t, NULL, n, TEXTOID);
-	values[1] = build_array(i, NULL, n, TEXTOID);
+	values[0] = idem_build_array(t, NULL, n, TEXTOID);
+	values[1] = idem_build_array(i, NULL, n, TEXTOID);
 }
 
 /*
@@ -1842,19 +1601,13 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	Claim		c = {0};
 	int64		lease;
 
-	if (PG_ARGISNULL(0))
-		null_argument("batch");
-	c.batch = PG_GETARG_INT32(0);
-	if (c.batch <= 0 || c.batch > OUTBOX_MAX_BATCH)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("batch must be between 1 and %d", OUTBOX_MAX_BATCH)));
-	lease = positive_interval_arg(fcinfo, 1, "lease");
+	c.batch = idem_batch_arg(fcinfo, 0, "batch", OUTBOX_MAX_BATCH);
+	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
 	if (!PG_ARGISNULL(2))
 	{
 		Datum	   *elems;
 
-		c.ntype_names = array_arg(fcinfo, 2, "aggregate_types", TEXTOID, &elems);
+		c.ntype_names = idem_array_arg(fcinfo, 2, "aggregate_types", TEXTOID, &elems);
 		c.type_names = palloc(sizeof(char *) * Max(c.ntype_names, 1));
 		for (int i = 0; i < c.ntype_names; i++)
 			c.type_names[i] = TextDatumGetCString(elems[i]);
@@ -1865,7 +1618,7 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	c.rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	c.now = idem_now();
 	c.until = c.now + lease;
-	outbox_token(&c.token);
+	idem_lease_token(&c.token);
 
 	SPI_connect();
 	claim_parked(&c, ST_PARKED_DUE);
@@ -1914,7 +1667,7 @@ find_events(Datum *ids, int n, int *nfound)
 
 	*nfound = 0;
 	for (int i = 0; i < n; i++)
-		if (!idem_outbox_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], &txids[i]))
+		if (!idem_row_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], &txids[i]))
 			buckets[i] = 0;		/* not an event id */
 
 	/* one statement per partition the ids name (usually one) */
@@ -1936,8 +1689,8 @@ find_events(Datum *ids, int n, int *nfound)
 			k_txids[m] = FullTransactionIdGetDatum(txids[j]);
 			k_ids[m++] = ids[j];
 		}
-		values[0] = build_array(k_txids, NULL, m, XID8OID);
-		values[1] = build_array(k_ids, NULL, m, UUIDOID);
+		values[0] = idem_build_array(k_txids, NULL, m, XID8OID);
+		values[1] = idem_build_array(k_ids, NULL, m, UUIDOID);
 		values[2] = Int32GetDatum(buckets[i]);
 		got = outbox_exec(ST_FIND_EVENTS, values, NULL, SPI_OK_SELECT);
 		if (*nfound + (int) got > cap)
@@ -2009,7 +1762,7 @@ Datum
 idem_outbox_ack(PG_FUNCTION_ARGS)
 {
 	Datum	   *ids;
-	int			n = array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
+	int			n = idem_array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
 	bool		fenced = !PG_ARGISNULL(1);
 	pg_uuid_t  *token = fenced ? PG_GETARG_UUID_P(1) : NULL;
 	TimestampTz now = idem_now();
@@ -2061,24 +1814,13 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 	PG_RETURN_INT32(marked);
 }
 
-/* The wait before retrying an aggregate whose head failed "attempts" times. */
-static int64
-backoff_usecs(int32 attempts)
-{
-	int64		usecs = OUTBOX_BACKOFF_FIRST_USECS;
-
-	for (int i = 1; i < attempts && usecs < OUTBOX_BACKOFF_MAX_USECS; i++)
-		usecs *= 2;
-	return Min(usecs, OUTBOX_BACKOFF_MAX_USECS);
-}
-
 Datum
 idem_outbox_nack(PG_FUNCTION_ARGS)
 {
 	pg_uuid_t  *id;
 	char	   *error;
 	bool		fenced = !PG_ARGISNULL(3);
-	int64		retry_after = -1;
+	int64		retry_after;
 	TimestampTz now = idem_now();
 	Datum		idd;
 	FoundEvent *found;
@@ -2087,19 +1829,12 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	int			nlocked;
 
 	if (PG_ARGISNULL(0))
-		null_argument("id");
+		idem_null_argument("id");
 	if (PG_ARGISNULL(1))
-		null_argument("error");
+		idem_null_argument("error");
 	id = PG_GETARG_UUID_P(0);
 	error = text_to_cstring(PG_GETARG_TEXT_PP(1));
-	if (!PG_ARGISNULL(2))
-	{
-		retry_after = interval_usecs(PG_GETARG_INTERVAL_P(2));
-		if (retry_after < 0)
-			ereport(ERROR,
-					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("retry_after must not be negative")));
-	}
+	retry_after = idem_retry_after_arg(fcinfo, 2, "retry_after");
 
 	SPI_connect();
 	idd = UUIDPGetDatum(id);
@@ -2118,14 +1853,12 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 		d->error = error;
 		end_lease(d);
 		d->parked = true;
-		if (d->attempts >= outbox_max_attempts)
+		if (idem_attempt_failed(d->attempts, outbox_max_attempts, retry_after, now, &d->retry_at))
 		{
 			/* dead now; the next claim applies the dead policy */
 			(void) head_exhausted(d, now);
 			d->retry_at = now;
 		}
-		else
-			d->retry_at = now + (retry_after >= 0 ? retry_after : backoff_usecs(d->attempts));
 		write_deliveries(d, 1);
 	}
 	SPI_finish();
@@ -2142,8 +1875,8 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 	int64		covered = 0;
 
 	if (PG_ARGISNULL(0))
-		null_argument("lease_token");
-	lease = positive_interval_arg(fcinfo, 1, "lease");
+		idem_null_argument("lease_token");
+	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
 	SPI_connect();
 	values[0] = PG_GETARG_DATUM(0);
 	values[1] = TimestampTzGetDatum(now + lease);
@@ -2174,7 +1907,7 @@ static int
 settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 {
 	Datum	   *ids;
-	int			n = array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
+	int			n = idem_array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
 	Datum		arr;
 	FoundEvent *found;
 	int64	   *seqs;
@@ -2189,7 +1922,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 	if (n == 0)
 		return 0;
 	SPI_connect();
-	arr = build_array(ids, NULL, n, UUIDOID);
+	arr = idem_build_array(ids, NULL, n, UUIDOID);
 	got = outbox_exec(ST_FIND_DEAD, &arr, NULL, SPI_OK_SELECT);
 	found = palloc(sizeof(FoundEvent) * Max(got, 1));
 	seqs = palloc(sizeof(int64) * Max(got, 1));

@@ -41,9 +41,12 @@
  *	  themselves and the commit that follows (the stores' steps come last in
  *	  a round; call idem_maintain() on its own, not inside a longer
  *	  transaction).
- *	- Whether a partition is pinned is read before those locks: a partition
- *	  past its retention gets no new rows (writers choose a newer one), and
- *	  only an explicit redrive or replay moves delivery back.
+ *	- Whether a partition holds young rows or is pinned is read before
+ *	  those locks, and again once the partition is locked: a writer whose
+ *	  cache knows no newer partition (after a long lag, those the round
+ *	  makes are not committed yet) still writes into the newest that has
+ *	  begun, even past its retention.  Only an explicit redrive or replay
+ *	  moves delivery back.
  *
  *-------------------------------------------------------------------------
  */
@@ -61,6 +64,7 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 /* attempts to lock a partition and the parent for a drop, and the pause */
@@ -102,6 +106,17 @@ static const StoreDesc stores[IDEM_NSTORES] = {
 		{"CREATE UNIQUE INDEX ON %s (scope, key)"},
 		"SELECT max(created_at) FROM %s",
 		NULL, NULL,
+	},
+	[IDEM_STORE_INBOX] = {
+		"inbox", "inbox_messages", "inbox_partitions",
+		/* done and fail find a message by id; claims by key and by state */
+		{"CREATE INDEX ON %s (id)",
+		 "CREATE INDEX ON %s (source, ordering_key, seq)",
+		 "CREATE INDEX ON %s (done_at, dead_at)"},
+		/* ids sort by received_at */
+		"SELECT max(received_at) FROM (SELECT received_at FROM %s"
+		" ORDER BY id DESC LIMIT 1) m",
+		"inbox_partition_pinned", NULL,
 	},
 };
 
@@ -424,24 +439,38 @@ typedef struct DropCall
 	bool		droppable;
 } DropCall;
 
-/* May the partition go?  Reads it, without locks beyond AccessShareLock. */
+/*
+ * May the partition go: no row younger than the retention, nothing pinned?
+ * Reads it under a snapshot of its own, so that rows committed since the
+ * round began count.
+ */
+static bool
+may_drop(DropCall *c)
+{
+	const StoreDesc *d = c->r->d;
+	bool		ok = true;
+
+	PushActiveSnapshot(GetTransactionSnapshot());
+	if (partition_newest(d, c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
+		ok = false;				/* took rows while maintenance lagged */
+	else if (d->pinned != NULL && (d->keep_pinned == NULL || *d->keep_pinned) &&
+			 partition_pinned(d, c->p->relid))
+	{
+		idem_report_action(c->r->rep, "keep (pinned)", c->name);
+		ok = false;
+	}
+	PopActiveSnapshot();
+	return ok;
+}
+
+/* The first check, without locks beyond AccessShareLock. */
 static bool
 check_one(void *arg)
 {
 	DropCall   *c = arg;
 
-	const StoreDesc *d = c->r->d;
-
-	if (partition_newest(d, c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
-		return false;			/* took rows while maintenance lagged */
-	if (d->pinned != NULL && (d->keep_pinned == NULL || *d->keep_pinned) &&
-		partition_pinned(d, c->p->relid))
-	{
-		idem_report_action(c->r->rep, "keep (pinned)", c->name);
-		return false;
-	}
-	c->droppable = true;
-	return true;
+	c->droppable = may_drop(c);
+	return c->droppable;
 }
 
 typedef struct DropBatch
@@ -472,6 +501,17 @@ drop_batch(void *arg)
 		if (!try_lock_exclusive(c->p->relid))
 		{
 			idem_report_action(b->r->rep, "skip drop (in use)", c->name);
+			c->droppable = false;
+			continue;
+		}
+
+		/*
+		 * Again, now that no writer can add a row: a writer whose cache
+		 * knows no newer partition (those this round made are not
+		 * committed yet) may have written here since the first check.
+		 */
+		if (!may_drop(c))
+		{
 			c->droppable = false;
 			continue;
 		}
@@ -523,7 +563,10 @@ drop_expired(StoreRound *r, StorePartition *parts, int n)
 		b.n++;
 	}
 	if (b.n > 0)
+	{
+		idem_debug_wait("store_drop_checked");
 		(void) idem_run_guarded(r->rep, "drop", r->parent_name, drop_batch, &b);
+	}
 }
 
 /* One store's part of a maintenance round. */
@@ -593,7 +636,16 @@ load_cache(IdemStoreId id)
 
 	c->registry = idem_internal_relid(stores[id].registry);
 	c->parent = idem_internal_relid(stores[id].parent);
+
+	/*
+	 * Under a snapshot of its own (in READ COMMITTED): a writer reads the
+	 * registry again after finding its cached partition dropped, and the
+	 * snapshot of the statement it runs in (which may have waited, say for
+	 * a claim) can predate that drop and list the partition still.
+	 */
+	PushActiveSnapshot(GetTransactionSnapshot());
 	parts = read_partitions(&stores[id], &n);
+	PopActiveSnapshot();
 	qsort(parts, n, sizeof(StorePartition), newest_first);
 	old = MemoryContextSwitchTo(CacheMemoryContext);
 	if (c->parts != NULL)

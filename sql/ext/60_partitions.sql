@@ -1,5 +1,5 @@
--- The partitions view: every time partition of the claims, the outbox and
--- the requests.
+-- The partitions view: every time partition of the claims, the outbox, the
+-- requests and the inbox.
 --
 -- Claims partitions (store 'claims'): future (premade), current (takes
 -- claims now), sealing (its range has passed; the next maintenance round
@@ -15,6 +15,9 @@
 --
 -- Request partitions (store 'requests'): future, current, sealed (its
 -- range has passed; kept for the retention), expired.
+--
+-- Inbox partitions (store 'inbox'): the same states; pinned means it holds
+-- a message that is not done (pending, leased, waiting or dead).
 --
 -- This fragment replaces the 1.0 view as a whole: the upgrade script drops
 -- that one and the Makefile appends this file to it.
@@ -63,6 +66,20 @@ SELECT q.relid, q.lower, q.upper,
        pg_catalog.pg_total_relation_size(q.relid),
        'requests'
 FROM idempotency.request_partitions q
+CROSS JOIN idempotency.current_settings() s
+UNION ALL
+SELECT i.relid, i.lower, i.upper,
+       CASE
+           WHEN i.lower > now() THEN 'future'
+           WHEN now() < i.upper THEN 'current'
+           WHEN i.upper > now() - s.retention THEN 'sealed'
+           WHEN idempotency.inbox_partition_pinned(i.relid) THEN 'pinned'
+           ELSE 'expired'
+       END,
+       NULL, NULL, false,
+       pg_catalog.pg_total_relation_size(i.relid),
+       'inbox'
+FROM idempotency.inbox_partitions i
 CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS
-    'time partitions of idempotency.claims, idempotency.outbox_events and idempotency.requests with range, state and size';
+    'time partitions of idempotency.claims, idempotency.outbox_events, idempotency.requests and idempotency.inbox_messages with range, state and size';

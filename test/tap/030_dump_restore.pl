@@ -1,4 +1,5 @@
-# Settings, claims, payload fingerprints, guards, the outbox and requests survive
+# Settings, claims, payload fingerprints, guards, the outbox, requests and the
+# inbox survive
 # pg_dump | pg_restore into a fresh database: partitions are data (dumped
 # like user tables, attached beside those CREATE EXTENSION made in the
 # target), the registries, settings and outbox state are configuration
@@ -46,6 +47,16 @@ $node->safe_psql('source', q{
 	SELECT idem_request_complete('r1', 'api', '{"id": "pay_1"}', 1, 201);
 	SELECT count(*) FROM idem_request_begin('r2', 'api', lease => '1 hour');
 	SELECT idem_request_checkpoint('r2', 'api', 1, 'charged', '{"charge": "ch_2"}');
+	-- inbox: m1 done, m2 and m3 (ordering key k, seq 1 and 2) pending, m4 dead
+	SELECT idem_inbox_receive('broker', 'm' || g, jsonb_build_object('n', g),
+	                          CASE WHEN g IN (2, 3) THEN '{"ordering_key": "k"}' ELSE '{}' END::jsonb)
+	  FROM generate_series(1, 4) g;
+	SELECT idem_inbox_done(ARRAY(SELECT id FROM idempotency.inbox_messages WHERE message_id = 'm1'));
+	SET idempotency.inbox_max_attempts = 1;
+	CREATE TEMP TABLE taken AS SELECT * FROM idem_inbox_claim(100, '1 minute');
+	SELECT idem_inbox_fail(id, 'poison') FROM taken WHERE message_id = 'm4';
+	RESET idempotency.inbox_max_attempts;
+	SELECT idem_inbox_fail(id, 'later', '0 seconds') FROM taken WHERE message_id <> 'm4';
 });
 
 my $dump = $node->basedir . '/source.dump';
@@ -59,7 +70,7 @@ $node->command_ok(
 is($node->safe_psql('target',
 		'SELECT retention, partition_interval, premake FROM idempotency.settings'),
 	'3 days|01:00:00|2', 'settings restored');
-is($node->safe_psql('target', q{SELECT count(*) FROM idempotency.claims WHERE scope NOT LIKE 'request:%'}),
+is($node->safe_psql('target', q{SELECT count(*) FROM idempotency.claims WHERE scope NOT LIKE 'request:%' AND scope NOT LIKE 'inbox:%'}),
 	'501', 'every claim restored');
 is($node->safe_psql('target',
 		"SELECT count(*) FROM idem_claim_many(ARRAY(SELECT 'k' || g FROM generate_series(1, 510) g))"),
@@ -130,6 +141,29 @@ is($node->safe_psql('target', q{
 	SELECT count(*) FROM idempotency.requests r JOIN idempotency.request_partitions p
 	    ON p.bucket = r.bucket AND p.relid = r.tableoid}),
 	'2', 'every request is in a registered partition');
+
+# the inbox: every message with its state; received ids stay duplicates;
+# seq goes on; a worker gets what was pending, the key's run in order
+is($node->safe_psql('target', q{
+	SELECT string_agg(message_id || ':' || coalesce(seq::text, '-') || ':'
+	                  || CASE WHEN done_at IS NOT NULL THEN 'done' WHEN dead_at IS NOT NULL THEN 'dead'
+	                          ELSE 'pending' END, ',' ORDER BY message_id)
+	  FROM idempotency.inbox_messages}),
+	'm1:-:done,m2:1:pending,m3:2:pending,m4:-:dead', 'every inbox message restored with its state');
+is($node->safe_psql('target', q{
+	SELECT count(*) FROM idempotency.inbox_messages m JOIN idempotency.inbox_partitions p
+	    ON p.bucket = m.bucket AND p.relid = m.tableoid}),
+	'4', 'every message is in a registered partition');
+is($node->safe_psql('target', q{SELECT idem_inbox_receive('broker', 'm2', '{"n": 2}')}),
+	'f', 'a received message is still a duplicate after restore');
+$node->safe_psql('target', q{SELECT idem_inbox_receive('broker', 'm5', '{}', '{"ordering_key": "k"}')});
+is($node->safe_psql('target', q{SELECT seq FROM idempotency.inbox_messages WHERE message_id = 'm5'}),
+	'3', 'seq of an ordering key goes on after restore');
+is($node->safe_psql('target', q{
+	SELECT string_agg(message_id, ',') FROM idem_inbox_claim(100, '1 minute')}),
+	'm2,m3,m5', 'a worker on the restored database gets the pending messages, the key in seq order');
+is($node->safe_psql('target', 'SELECT message_id FROM idempotency.inbox_dead'),
+	'm4', 'dead messages restored');
 
 $node->stop;
 done_testing();
