@@ -150,20 +150,12 @@ typedef struct RequestKey
 } RequestKey;
 
 static void
-null_arg(const char *what)
-{
-	ereport(ERROR,
-			(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-			 errmsg("%s must not be null", what)));
-}
-
-static void
 request_key_args(FunctionCallInfo fcinfo, RequestKey *rk)
 {
 	if (PG_ARGISNULL(0))
-		null_arg("key");
+		idem_null_argument("key");
 	if (PG_ARGISNULL(1))
-		null_arg("scope");
+		idem_null_argument("scope");
 	rk->key = PG_GETARG_TEXT_PP(0);
 	rk->scope = PG_GETARG_TEXT_PP(1);
 	idem_check_key(rk->key);
@@ -180,7 +172,7 @@ attempt_arg(FunctionCallInfo fcinfo, int argno)
 	int32		attempt;
 
 	if (PG_ARGISNULL(argno))
-		null_arg("attempt");
+		idem_null_argument("attempt");
 	attempt = PG_GETARG_INT32(argno);
 	if (attempt < 1)
 		ereport(ERROR,
@@ -203,24 +195,6 @@ nullable_arg(FunctionCallInfo fcinfo, int argno, Datum *value, char *null)
 {
 	*value = PG_ARGISNULL(argno) ? (Datum) 0 : PG_GETARG_DATUM(argno);
 	*null = PG_ARGISNULL(argno) ? 'n' : ' ';
-}
-
-/* An interval argument in microseconds, months as 30 days. */
-static int64
-interval_arg(FunctionCallInfo fcinfo, int argno, const char *what, bool zero_ok)
-{
-	Interval   *iv;
-	int64		usecs;
-
-	if (PG_ARGISNULL(argno))
-		null_arg(what);
-	iv = PG_GETARG_INTERVAL_P(argno);
-	usecs = iv->time + ((int64) iv->month * DAYS_PER_MONTH + iv->day) * USECS_PER_DAY;
-	if (usecs < 0 || (usecs == 0 && !zero_ok))
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be %s", what, zero_ok ? "zero or positive" : "positive")));
-	return usecs;
 }
 
 /*---- the stored row ----*/
@@ -529,8 +503,10 @@ idem_request_begin(PG_FUNCTION_ARGS)
 	int			nestlevel;
 
 	request_key_args(fcinfo, &rk);
-	lease = interval_arg(fcinfo, 3, "lease", false);
-	wait = interval_arg(fcinfo, 4, "wait", true);
+	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
+	if (PG_ARGISNULL(4))
+		idem_null_argument("wait");
+	wait = idem_retry_after_arg(fcinfo, 4, "wait");
 	PreventCommandIfReadOnly("idem_request_begin()");
 	InitMaterializedSRF(fcinfo, 0);
 
@@ -591,7 +567,7 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
 	if (PG_ARGISNULL(3))
-		null_arg("recovery_point");
+		idem_null_argument("recovery_point");
 	if (VARSIZE_ANY_EXHDR(PG_GETARG_TEXT_PP(3)) == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -642,7 +618,7 @@ idem_request_extend(PG_FUNCTION_ARGS)
 
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
-	lease = interval_arg(fcinfo, 3, "lease", false);
+	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
 	values[3] = TimestampTzGetDatum(now + lease);
 	values[4] = TimestampTzGetDatum(now);
 	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls, false);

@@ -59,30 +59,7 @@ BATCH=10
 base_options=${PGOPTIONS:-}
 export PGOPTIONS="$base_options -c idempotency.debug_clock_offset=864000 -c idempotency.inbox_max_attempts=1000"
 
-tmp=$(mktemp -d)
-bg_pids=()
-cleanup() {
-    local p
-    for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
-failed=0
-fail() { echo "FAIL: $*"; failed=1; }
-# expect_zero WHAT SQL [DETAIL_SQL]: the query's single number must be 0
-expect_zero() {
-    local n
-    n=$(sql -c "$2")
-    if [[ $n != 0 ]]; then
-        fail "$1: $n"
-        sql -c "${3:-SELECT 'no detail query'}" | head -n 10 | sed 's/^/    /'
-    else
-        echo "ok: 0 $1"
-    fi
-}
+. "$(dirname "$0")/common.bash"
 
 PGOPTIONS=$base_options sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
