@@ -39,15 +39,18 @@
 # backend and sets idempotency.debug_clock_offset); run by test/run-tests (part "stress") in an empty database.
 # Settings: IDEM_STRESS_SECONDS (emitting time, default 15),
 # IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
-# 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_DRAIN (at most
-# this many seconds after the emitters stop, the relays must have delivered
-# everything, default 45).
+# 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_RATE (emitting
+# transactions per second, all emitters together, default 800: about what
+# four relays deliver on two cores, so the drain measures no backlog of an
+# unthrottled run), IDEM_STRESS_DRAIN (at most this many seconds after the
+# emitters stop, the relays must have delivered everything, default 45).
 set -euo pipefail
 
 SECONDS_RUN=${IDEM_STRESS_SECONDS:-15}
 CLIENTS=${IDEM_STRESS_CLIENTS:-6}
 NAGGS=${IDEM_STRESS_AGGREGATES:-2000}
 ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
+RATE=${IDEM_STRESS_RATE:-800}
 DRAIN=${IDEM_STRESS_DRAIN:-45}
 LEASE='2 seconds'
 BATCH=20
@@ -170,7 +173,7 @@ relay() {
 bg_pids+=($!)
 
 RELAY_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is delivered
-echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"
+echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s at $RATE transactions/s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"
 echo "  4 relays (batch $BATCH, lease $LEASE) until all is delivered (at most ${DRAIN}s after the emitters), relay 4 terminated mid-lease, 1 stale relay"
 start=$SECONDS
 relay 1 "$RELAY_SECS" 0 relay1.out; r1=$!
@@ -178,7 +181,7 @@ relay 2 "$RELAY_SECS" 0 relay2.out; r2=$!
 relay 3 "$RELAY_SECS" 0 relay3.out; r3=$!
 relay 4 "$RELAY_SECS" 1000 relay4-killed.out; r4=$!
 bg_pids+=("$r1" "$r2" "$r3" "$r4")
-pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" \
+pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" -R "$RATE" \
     -D naggs="$NAGGS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/emit.sql" >"$tmp/emit.out" 2>&1 &
 emit_pid=$!
 bg_pids+=("$emit_pid")
