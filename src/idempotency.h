@@ -10,11 +10,11 @@
  * worker.c (the background worker), outbox.c (the transactional outbox:
  * emit and the relay API), inbox.c (the inbox: receive, claim, done, fail,
  * replay), leases.c (what the outbox and the inbox share: row ids, lease
- * tokens, backoff, argument checks), requests.c (stored responses for
- * Idempotency-Key requests), store.c (the time partitions of the outbox's
- * events and of the requests) and rows.c (rows written without the
- * executor, for claims, events and requests); guarded
- * writes take three,
+ * tokens, backoff, argument checks; the requests use its argument checks
+ * too), requests.c (stored responses for Idempotency-Key requests), store.c
+ * (the time partitions of the outbox's events, the inbox's messages and the
+ * requests) and rows.c (rows written without the executor, for claims,
+ * events, messages and requests); guarded writes take three,
  * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
  * idempotency.c holds only _PG_init and the few helpers every subsystem
  * uses.
