@@ -160,8 +160,10 @@ BEGIN
             ok := false;
             difference := failed_msg;
         ELSE
-            missing := ARRAY(SELECT pg_catalog.unnest(reference) EXCEPT ALL SELECT pg_catalog.unnest(got));
-            extra := ARRAY(SELECT pg_catalog.unnest(got) EXCEPT ALL SELECT pg_catalog.unnest(reference));
+            missing := ARRAY(SELECT d.x FROM (SELECT pg_catalog.unnest(reference)
+                                              EXCEPT ALL SELECT pg_catalog.unnest(got)) d(x) ORDER BY d.x COLLATE "C");
+            extra := ARRAY(SELECT d.x FROM (SELECT pg_catalog.unnest(got)
+                                            EXCEPT ALL SELECT pg_catalog.unnest(reference)) d(x) ORDER BY d.x COLLATE "C");
             ok := pg_catalog.cardinality(missing) = 0 AND pg_catalog.cardinality(extra) = 0;
             difference := CASE WHEN ok THEN NULL ELSE pg_catalog.concat_ws('; ',
                 CASE WHEN pg_catalog.cardinality(missing) > 0 THEN pg_catalog.format('missing %s row(s): %s',
