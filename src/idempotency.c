@@ -122,3 +122,10 @@ idem_statement_exec(const IdemStatement *st, SPIPlanPtr *slot, Datum *values,
 		elog(ERROR, "SPI_execute_plan failed (%s): %s", SPI_result_code_string(rc), st->sql);
 	return SPI_processed;
 }
+
+/* Column col (from 1) of row "row" of the last SPI result. */
+Datum
+idem_spi_col(uint64 row, int col, bool *isnull)
+{
+	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
+}

@@ -60,6 +60,7 @@ typedef struct IdemStatement
 
 struct _SPI_plan;
 extern struct _SPI_plan *idem_statement_plan(const IdemStatement *st, struct _SPI_plan **slot);
+extern Datum idem_spi_col(uint64 row, int col, bool *isnull);
 extern uint64 idem_statement_exec(const IdemStatement *st, struct _SPI_plan **slot, Datum *values,
 								  const char *nulls, int expected);
 

@@ -248,12 +248,6 @@ inbox_exec(InboxStatement st, Datum *values, const char *nulls, int expected)
 	return idem_statement_exec(&inbox_plans[st], &prepared[st], values, nulls, expected);
 }
 
-static Datum
-spi_col(uint64 row, int col, bool *isnull)
-{
-	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
-}
-
 /*---- receiving ----*/
 
 /* columns of idempotency.inbox_messages and its partitions, in order */
@@ -313,7 +307,7 @@ next_seq(const char *source, const char *key)
 		n = inbox_exec(ST_FIRST_SEQ, values, NULL, SPI_OK_INSERT_RETURNING);
 	if (n != 1)
 		elog(ERROR, "inbox receive took " UINT64_FORMAT " seqs", n);
-	return DatumGetInt64(spi_col(0, 1, &isnull));
+	return DatumGetInt64(idem_spi_col(0, 1, &isnull));
 }
 
 /*
@@ -412,21 +406,21 @@ read_state(uint64 row, MessageState *m)
 	bool		isnull;
 	Datum		v;
 
-	memcpy(&m->id, DatumGetUUIDP(spi_col(row, 1, &isnull)), sizeof(pg_uuid_t));
-	m->bucket = DatumGetInt32(spi_col(row, 2, &isnull));
-	m->source = TextDatumGetCString(spi_col(row, 3, &isnull));
-	v = spi_col(row, 4, &isnull);
+	memcpy(&m->id, DatumGetUUIDP(idem_spi_col(row, 1, &isnull)), sizeof(pg_uuid_t));
+	m->bucket = DatumGetInt32(idem_spi_col(row, 2, &isnull));
+	m->source = TextDatumGetCString(idem_spi_col(row, 3, &isnull));
+	v = idem_spi_col(row, 4, &isnull);
 	m->key = isnull ? NULL : TextDatumGetCString(v);
-	v = spi_col(row, 5, &isnull);
+	v = idem_spi_col(row, 5, &isnull);
 	m->seq = isnull ? 0 : DatumGetInt64(v);
-	m->attempts = DatumGetInt32(spi_col(row, 6, &isnull));
-	v = spi_col(row, 7, &isnull);
+	m->attempts = DatumGetInt32(idem_spi_col(row, 6, &isnull));
+	v = idem_spi_col(row, 7, &isnull);
 	m->leased = !isnull;
 	m->lease_until = isnull ? 0 : DatumGetTimestampTz(v);
-	v = spi_col(row, 8, &isnull);
+	v = idem_spi_col(row, 8, &isnull);
 	m->waiting = !isnull;
 	m->retry_at = isnull ? 0 : DatumGetTimestampTz(v);
-	m->dead = DatumGetBool(spi_col(row, 9, &isnull));
+	m->dead = DatumGetBool(idem_spi_col(row, 9, &isnull));
 }
 
 typedef struct Claim
@@ -717,15 +711,15 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 		SPI_finish();
 		PG_RETURN_VOID();		/* no such message (any more) */
 	}
-	attempts = DatumGetInt32(spi_col(0, 1, &isnull));
-	settled = DatumGetBool(spi_col(0, 4, &isnull));
+	attempts = DatumGetInt32(idem_spi_col(0, 1, &isnull));
+	settled = DatumGetBool(idem_spi_col(0, 4, &isnull));
 	if (!PG_ARGISNULL(3))
 	{
-		Datum		token = spi_col(0, 2, &isnull);
+		Datum		token = idem_spi_col(0, 2, &isnull);
 		Datum		until;
 		bool		until_null;
 
-		until = spi_col(0, 3, &until_null);
+		until = idem_spi_col(0, 3, &until_null);
 		if (isnull || until_null || DatumGetTimestampTz(until) <= now ||
 			memcmp(DatumGetUUIDP(token), PG_GETARG_UUID_P(3), sizeof(pg_uuid_t)) != 0)
 			settled = true;		/* not this holder's attempt */

@@ -434,12 +434,6 @@ outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
 	return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
 }
 
-static Datum
-spi_col(uint64 row, int col, bool *isnull)
-{
-	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
-}
-
 /*---- emitting ----*/
 
 /* what an emit hands the caller and logical decoding */
@@ -630,7 +624,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	{
 		bool		isnull;
 
-		ev.seq = DatumGetInt64(spi_col(0, 1, &isnull));
+		ev.seq = DatumGetInt64(idem_spi_col(0, 1, &isnull));
 	}
 	SPI_finish();
 	if (outbox_mode != MODE_WAL)
@@ -752,9 +746,9 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		{
 			bool		isnull;
 			int			a = sorted_index(names, nagg,
-										 TextDatumGetCString(spi_col(r, 1, &isnull)));
+										 TextDatumGetCString(idem_spi_col(r, 1, &isnull)));
 
-			next_seq[a] = DatumGetInt64(spi_col(r, 2, &isnull)) - DatumGetInt64(counts[a]) + 1;
+			next_seq[a] = DatumGetInt64(idem_spi_col(r, 2, &isnull)) - DatumGetInt64(counts[a]) + 1;
 		}
 	}
 	/* seqs in array order */
@@ -813,36 +807,36 @@ read_deliveries(uint64 n)
 		bool		isnull;
 		Datum		v;
 
-		d->aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
-		d->aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
-		d->acked = DatumGetInt64(spi_col(r, 3, &isnull));
-		v = spi_col(r, 4, &isnull);
+		d->aggregate_type = TextDatumGetCString(idem_spi_col(r, 1, &isnull));
+		d->aggregate_id = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
+		d->acked = DatumGetInt64(idem_spi_col(r, 3, &isnull));
+		v = idem_spi_col(r, 4, &isnull);
 		d->leased = !isnull;
 		if (d->leased)
 		{
 			d->leased_seq = DatumGetInt64(v);
-			v = spi_col(r, 5, &isnull);
+			v = idem_spi_col(r, 5, &isnull);
 			d->leased = !isnull;
 			if (!isnull)
 				memcpy(&d->token, DatumGetUUIDP(v), sizeof(pg_uuid_t));
-			v = spi_col(r, 6, &isnull);
+			v = idem_spi_col(r, 6, &isnull);
 			d->leased = d->leased && !isnull;
 			if (!isnull)
 				d->until = DatumGetTimestampTz(v);
 		}
-		d->attempts = DatumGetInt32(spi_col(r, 7, &isnull));
-		v = spi_col(r, 8, &isnull);
+		d->attempts = DatumGetInt32(idem_spi_col(r, 7, &isnull));
+		v = idem_spi_col(r, 8, &isnull);
 		d->parked = !isnull;
 		if (!isnull)
 			d->retry_at = DatumGetTimestampTz(v);
-		v = spi_col(r, 9, &isnull);
+		v = idem_spi_col(r, 9, &isnull);
 		d->dead = !isnull;
 		if (!isnull)
 			d->dead_seq = DatumGetInt64(v);
-		v = spi_col(r, 10, &isnull);
+		v = idem_spi_col(r, 10, &isnull);
 		d->error = isnull ? NULL : TextDatumGetCString(v);
-		d->last_seq = DatumGetInt64(spi_col(r, 11, &isnull));
-		ItemPointerCopy((ItemPointer) DatumGetPointer(spi_col(r, 12, &isnull)), &d->ctid);
+		d->last_seq = DatumGetInt64(idem_spi_col(r, 11, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 12, &isnull)), &d->ctid);
 	}
 	return ds;
 }
@@ -1307,12 +1301,12 @@ read_cursor(void)
 
 	if (outbox_exec(ST_CURSOR_READ, NULL, NULL, SPI_OK_SELECT) == 1)
 	{
-		Datum		v = spi_col(0, 1, &isnull);
+		Datum		v = idem_spi_col(0, 1, &isnull);
 
 		if (!isnull)
 		{
 			stored.txid = DatumGetFullTransactionId(v);
-			v = spi_col(0, 2, &isnull);
+			v = idem_spi_col(0, 2, &isnull);
 			if (!isnull)
 				memcpy(&stored.id, DatumGetUUIDP(v), sizeof(pg_uuid_t));
 		}
@@ -1704,9 +1698,9 @@ find_events(Datum *ids, int n, int *nfound)
 			FoundEvent *f = &found[(*nfound)++];
 			bool		isnull;
 
-			f->aggregate_type = TextDatumGetCString(spi_col(r, 1, &isnull));
-			f->aggregate_id = TextDatumGetCString(spi_col(r, 2, &isnull));
-			f->seq = DatumGetInt64(spi_col(r, 3, &isnull));
+			f->aggregate_type = TextDatumGetCString(idem_spi_col(r, 1, &isnull));
+			f->aggregate_id = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
+			f->seq = DatumGetInt64(idem_spi_col(r, 3, &isnull));
 		}
 	}
 	if (*nfound > 1)
@@ -1885,7 +1879,7 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 	for (uint64 r = 0; r < n; r++)
 	{
 		bool		isnull;
-		Datum		v = spi_col(r, 1, &isnull);
+		Datum		v = idem_spi_col(r, 1, &isnull);
 
 		if (!isnull)
 			covered += DatumGetInt64(v);
@@ -1930,9 +1924,9 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 	{
 		bool		isnull;
 
-		found[r].aggregate_type = TextDatumGetCString(spi_col(r, 2, &isnull));
-		found[r].aggregate_id = TextDatumGetCString(spi_col(r, 3, &isnull));
-		found[r].seq = DatumGetInt64(spi_col(r, 4, &isnull));
+		found[r].aggregate_type = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
+		found[r].aggregate_id = TextDatumGetCString(idem_spi_col(r, 3, &isnull));
+		found[r].seq = DatumGetInt64(idem_spi_col(r, 4, &isnull));
 	}
 	nagg = distinct_aggregates(found, (int) got, &types, &aggs);
 	ensure_deliveries(types, aggs, nagg);
