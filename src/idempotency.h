@@ -44,6 +44,8 @@
 #define ERRCODE_IDEM_LEASE_LOST			MAKE_SQLSTATE('I','K','0','0','3')
 #define ERRCODE_IDEM_STALE_VERSION		MAKE_SQLSTATE('I','K','0','0','4')
 #define ERRCODE_IDEM_INVALID_TRANSITION	MAKE_SQLSTATE('I','K','0','0','5')
+#define ERRCODE_IDEM_WRONG_SHARD		MAKE_SQLSTATE('I','K','0','0','6')
+#define ERRCODE_IDEM_SHARD_FROZEN		MAKE_SQLSTATE('I','K','0','0','7')
 
 /* idempotency.c: helpers shared by the subsystems */
 extern Oid	idem_schema_oid(void);
