@@ -72,6 +72,7 @@ DECLARE
     refers      boolean;
     in_names    text[] := '{}';
     rtype       regtype;
+    nsp         name;
     msg         text;
     ddl     text;
 BEGIN
@@ -197,8 +198,9 @@ BEGIN
 
     ddl := format(E'-- router-side proxy of %s, generated on database %I by idem_shard_router_ddl()\n',
                   handler, current_database());
-    IF f.pronamespace <> 'public'::regnamespace THEN
-        ddl := ddl || format(E'CREATE SCHEMA IF NOT EXISTS %I;\n', f.pronamespace::regnamespace);
+    SELECT n.nspname INTO nsp FROM pg_namespace n WHERE n.oid = f.pronamespace;
+    IF nsp <> 'public' THEN
+        ddl := ddl || format(E'CREATE SCHEMA IF NOT EXISTS %I;\n', nsp);
     END IF;
     RETURN ddl || format(E'CREATE OR REPLACE FUNCTION %I.%I(%s)\n'
                          '    RETURNS %s\n'
@@ -208,7 +210,7 @@ BEGIN
                          '%s'
                          '    RUN ON hashtext(%s);\n'
                          '$plproxy$;\n',
-                         f.pronamespace::regnamespace, f.proname,
+                         nsp, f.proname,
                          pg_get_function_arguments(handler), pg_get_function_result(handler),
                          cluster,
                          CASE WHEN split IS NULL THEN ''

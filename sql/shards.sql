@@ -1,0 +1,201 @@
+-- Scale-out with PL/Proxy, on one database standing for a shard: the
+-- partition a routing key hashes to, the ownership record and its checks
+-- (IK006 for a partition not owned, IK007 while frozen), privileges, and the
+-- router-side DDL the generators print (PL/Proxy itself is not needed on a
+-- shard; test/tap/070_plproxy.pl runs the DDL on a real router).
+CREATE EXTENSION idempotency;
+
+\i sql/include/try.sql
+
+-- 1. Partitions: hashtext(key) & (partitions - 1), as PL/Proxy's RUN ON computes
+SELECT k, hashtext(k) AS hash, idem_shard_partition(k, 1) AS of1, idem_shard_partition(k, 2) AS of2,
+       idem_shard_partition(k, 8) AS of8, idem_shard_partition(k, 8) = hashtext(k) & 7 AS same
+  FROM unnest(ARRAY['1', '2', '42', 'acct-7', 'ü']) k;
+SELECT pg_temp.try($$SELECT idem_shard_partition('k', 3)$$);
+SELECT pg_temp.try($$SELECT idem_shard_partition('k', 0)$$);
+SELECT pg_temp.try($$SELECT idem_shard_partition('k', 131072)$$);
+SELECT pg_temp.try($$SELECT idem_shard_partition('k', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_shard_partition(NULL, 2)$$);
+SELECT pg_temp.try($$SELECT idem_shard_partition('', 2)$$);
+
+-- 2. Not configured: every routed call passes (a single server is unaffected)
+SELECT count(*) FROM idempotency.shard_ownership;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT idem_claim_routed('1', 'e-0', 'payments');
+SELECT idem_claim_routed('1', 'e-0', 'payments');
+
+-- 3. Configuring: bad input changes nothing
+SELECT pg_temp.try($$SELECT idem_shard_configure(3, '{0}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{4}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{-1}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{1,1}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{1,NULL}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{{1},{2}}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(NULL, '{1}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, NULL)$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(4, '{1}', NULL)$$);
+SELECT count(*) FROM idempotency.shard_ownership;
+-- the table keeps the record sound even when written directly
+SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (4, '{5}')$$);
+SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (6, '{1}')$$);
+
+-- this database owns partitions 3 and 1 of 4 (stored sorted)
+SELECT idem_shard_configure(4, '{3,1}');
+SELECT partitions, owned, frozen FROM idempotency.shard_ownership;
+SELECT k, idem_shard_partition(k, 4) AS p, pg_temp.try(format('SELECT idem_shard_assert(%L)', k)) AS assert
+  FROM unnest(ARRAY['1', '2', '42', 'acct-7', 'ü']) k;
+
+-- 4. A misrouted claim is refused before claiming: nothing is claimed
+SELECT pg_temp.try($$SELECT idem_claim_routed('2', 'e-2', 'payments')$$);
+SELECT idem_claimed('e-2', 'payments') IS NULL AS not_claimed;
+-- the message in full
+SELECT idem_claim_routed('2', 'e-2', 'payments');
+-- owned: an ordinary claim, then a duplicate; the claim is idem_claim's
+SELECT idem_claim_routed('1', 'e-1', 'payments', '{"amount": 1}');
+SELECT idem_claim_routed('1', 'e-1', 'payments', '{"amount": 1}');
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'e-1', 'payments', '{"amount": 2}')$$);
+SELECT idem_claim('e-1', 'payments');
+-- bad input: the claim's own checks
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', NULL, 'payments')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'e', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', '', 'payments')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'e', repeat('s', 64))$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed(NULL, 'e', 'payments')$$);
+-- a misroute inside a handler rolls back what the handler did before it
+CREATE TABLE effects (event_id text PRIMARY KEY);
+CREATE FUNCTION handle(account text, event_id text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT idem_claim_routed(account, event_id, 'handler') THEN
+        RETURN false;
+    END IF;
+    INSERT INTO effects VALUES (event_id);
+    RETURN true;
+END
+$$;
+SELECT handle('1', 'h-1'), handle('1', 'h-1');
+SELECT pg_temp.try($$SELECT handle('2', 'h-2')$$);
+SELECT event_id FROM effects ORDER BY 1;
+
+-- 5. Frozen (a move in progress): every routed call is refused, owned or not
+SELECT idem_shard_configure(4, '{1,3}', frozen => true);
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'e-9', 'payments')$$);
+SELECT pg_temp.try($$SELECT idem_shard_assert('2')$$);
+-- a plain claim carries no routing key: not checked
+SELECT idem_claim('plain-1', 'payments');
+SELECT idem_shard_configure(4, '{1,3}');
+SELECT idem_claim_routed('1', 'e-9', 'payments');
+-- owning nothing refuses every routed call (the old copy after a move)
+SELECT idem_shard_configure(4, '{}');
+SELECT partitions, owned, frozen FROM idempotency.shard_ownership;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+
+-- 6. The cache follows every change: a direct UPDATE by the owner, a
+-- DELETE (not sharded any more), a rolled-back change
+UPDATE idempotency.shard_ownership SET owned = '{0,1,2,3}';
+SELECT pg_temp.try($$SELECT idem_shard_assert('2')$$);
+BEGIN;
+SELECT idem_shard_configure(2, '{0}');
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+ROLLBACK;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+DELETE FROM idempotency.shard_ownership;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT idem_shard_configure(2, '{1}');
+
+-- 7. Privileges: anyone may be checked; only the table's owner configures,
+-- and only the owner may generate router DDL
+CREATE ROLE idem_shard_app;
+GRANT USAGE ON SCHEMA idempotency TO idem_shard_app;
+GRANT INSERT, SELECT ON idempotency.claims TO idem_shard_app;
+SET ROLE idem_shard_app;
+SELECT partitions, owned FROM idempotency.shard_ownership;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_assert('2')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'app-1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(2, '{0,1}')$$);
+SELECT pg_temp.try($$UPDATE idempotency.shard_ownership SET owned = '{0,1}'$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_admin_ddl()$$);
+RESET ROLE;
+
+-- 8. The router-side proxy of a handler (printed as it is)
+\a
+\t on
+SELECT idem_shard_router_ddl('handle(text,text)', 'account');
+CREATE SCHEMA "Billing";
+CREATE TYPE "Billing".currency AS ENUM ('EUR', 'USD');
+CREATE FUNCTION "Billing"."Pay"(account_id bigint, "eventId" text, amount numeric DEFAULT 0,
+                                currency "Billing".currency DEFAULT 'EUR', OUT applied boolean, OUT balance numeric)
+    LANGUAGE sql AS $$ SELECT true, amount $$;
+SELECT idem_shard_router_ddl('"Billing"."Pay"(bigint, text, numeric, "Billing".currency)',
+                             'account_id::text', cluster => 'billing''s');
+-- a batch: parallel arrays split per partition, the element routed by itself
+CREATE FUNCTION handle_batch(accounts bigint[], event_ids text[], note text) RETURNS SETOF text
+    LANGUAGE sql AS $$ SELECT unnest(event_ids) $$;
+SELECT idem_shard_router_ddl('handle_batch(bigint[], text[], text)', '(accounts)::text',
+                             split => ARRAY['accounts', 'event_ids']);
+-- any expression of the arguments, as long as it is text
+SELECT idem_shard_router_ddl('handle(text,text)', 'lower(account) || ''/x''') ~ 'RUN ON hashtext\(lower\(account\) \|\| ''/x''\);' AS expr_kept;
+
+\a
+\t off
+
+-- 9. Bad input to the generator
+CREATE PROCEDURE proc(account text) LANGUAGE sql AS $$ SELECT 1 $$;
+CREATE FUNCTION returns_void(account text) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+CREATE FUNCTION unnamed(text, text) RETURNS boolean LANGUAGE sql AS $$ SELECT true $$;
+CREATE FUNCTION variadic_handler(account text, VARIADIC ids text[]) RETURNS boolean LANGUAGE sql AS $$ SELECT true $$;
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl(NULL, 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account', NULL)$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', ' ')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account', '')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('no_such_handler(text)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(int,text)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('proc(text)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('max(integer)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('returns_void(text)', 'account')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('unnamed(text,text)', '$1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('variadic_handler(text,text[])', 'account')$$);
+-- the expression: a column that is no argument, not text, constant, not one expression
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account_id')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('"Billing"."Pay"(bigint,text,numeric,"Billing".currency)', 'account_id')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', '''constant''')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account); DROP TABLE effects; SELECT (1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account -- x')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', '(SELECT account)')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account ||')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account || nope')$$);
+-- arrays: routed unsplit, split names that are no arrays or no arguments,
+-- a split the expression does not use, a split handler without SETOF
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'accounts::text')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'accounts::text', split => '{accounts,note}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'accounts::text', split => '{accounts,nope}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'accounts::text', split => '{accounts,accounts}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'accounts::text', split => '{}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle_batch(bigint[],text[],text)', 'note', split => '{accounts,event_ids}')$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account', split => '{account}')$$);
+-- nothing is left behind by the checks
+SELECT count(*) FROM pg_class WHERE relname = 'idem_shard_route_check';
+
+-- 10. The admin proxies, RUN ON ALL
+\a
+\t on
+SELECT idem_shard_router_admin_ddl('billing', 'Billing Admin');
+\a
+\t off
+SELECT pg_temp.try($$SELECT idem_shard_router_admin_ddl(NULL)$$);
+SELECT pg_temp.try($$SELECT idem_shard_router_admin_ddl('idem', '')$$);
+
+SET client_min_messages = warning;
+DROP FUNCTION handle(text, text);
+DROP FUNCTION handle_batch(bigint[], text[], text);
+DROP FUNCTION returns_void(text);
+DROP FUNCTION unnamed(text, text);
+DROP FUNCTION variadic_handler(text, text[]);
+DROP PROCEDURE proc(text);
+DROP SCHEMA "Billing" CASCADE;
+DROP TABLE effects;
+DROP EXTENSION idempotency CASCADE;
+DROP ROLE idem_shard_app;
