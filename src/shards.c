@@ -22,7 +22,9 @@
  *	  waits for every transaction that passed the check to end, and a check
  *	  that waited for a reconfiguration sees it: the lock is taken before
  *	  the cache is read, and taking it processes the invalidation the
- *	  reconfiguration sent.
+ *	  reconfiguration sent.  A direct UPDATE of the table by its owner
+ *	  takes only RowExclusiveLock and so waits for nobody: the caches follow
+ *	  it, but only idem_shard_configure() freezes safely.
  *	- The record is cached per backend and dropped by a relcache callback
  *	  on the table, which a statement trigger on the table sends on any
  *	  change (idem_shard_configure, a DELETE by the owner, pg_restore's
@@ -75,12 +77,16 @@ typedef struct ShardOwnership
 
 static ShardOwnership ownership;
 static bool callback_registered = false;
+static uint64 ownership_invals = 0;	/* invalidations seen, to detect one during a load */
 
 static void
 shard_cache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == ownership.relid)
+	{
 		ownership.valid = false;
+		ownership_invals++;
+	}
 }
 
 /* hashtext(key) & (partitions - 1): PL/Proxy's choice of partition */
@@ -112,6 +118,7 @@ load_ownership(Oid relid)
 	TableScanDesc scan = table_beginscan(rel, GetLatestSnapshot(), 0, NULL);
 	TupleTableSlot *slot = table_slot_create(rel, NULL);
 
+	ownership.relid = relid;	/* the callback counts its invalidations now */
 	if (ownership.owned)
 		pfree(ownership.owned);
 	if (ownership.owned_text)
@@ -147,7 +154,6 @@ load_ownership(Oid relid)
 	ExecDropSingleTupleTableSlot(slot);
 	table_endscan(scan);
 	table_close(rel, NoLock);
-	ownership.relid = relid;
 	ownership.valid = true;
 }
 
@@ -169,9 +175,14 @@ current_ownership(void)
 	while (!ownership.valid)
 	{
 		Oid			relid = idem_internal_relid("shard_ownership");
+		uint64		invals;
 
 		LockRelationOid(relid, AccessShareLock);
+		invals = ownership_invals;
 		load_ownership(relid);
+		/* a direct UPDATE (which does not wait for our lock) ended meanwhile */
+		if (ownership_invals != invals)
+			ownership.valid = false;
 	}
 	return &ownership;
 }
