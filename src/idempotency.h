@@ -296,6 +296,7 @@ typedef enum IdemStatCounter
 
 extern void idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n);
 extern void idem_stats_count_relation(Oid relid, IdemStatCounter counter);
+extern void idem_stats_maintained(void);
 extern void idem_stats_init(void);
 
 /* worker.c: the maintenance background worker */

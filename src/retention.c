@@ -652,6 +652,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	idem_stores_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
+	idem_stats_maintained();
 	return true;
 }
 

@@ -40,6 +40,7 @@
 
 #include <limits.h>
 
+#include "access/xact.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -74,7 +75,9 @@ typedef struct StatsEntry
 	pg_atomic_uint64 counters[IDEM_STAT_NCOUNTERS];
 	pg_atomic_uint64 last_claim_at; /* 0: none yet */
 	pg_atomic_uint64 last_duplicate_at;
-	TimestampTz reset_at;		/* overflow rows: this database's last reset */
+	/* overflow rows only: the database's last reset and maintenance round */
+	TimestampTz reset_at;
+	pg_atomic_uint64 maintained_at; /* 0: none since the server started */
 } StatsEntry;
 
 typedef struct StatsArea
@@ -107,6 +110,7 @@ typedef struct LocalEntry
 } LocalEntry;
 
 static HTAB *local_hash = NULL;
+static bool maintained_pending = false;
 static uint64 local_epoch = 0;
 static LocalEntry *local_last = NULL;
 
@@ -174,6 +178,14 @@ init_entry(StatsEntry *e)
 	e->reset_at = stats_area->started_at;
 }
 
+/* A new overflow row; the caller holds the lock exclusively. */
+static void
+init_database_entry(StatsEntry *e)
+{
+	init_entry(e);
+	pg_atomic_init_u64(&e->maintained_at, 0);
+}
+
 /*
  * The shared entry of a key, made if there is room; for a scope or table
  * without room, its database's overflow row; NULL if even that has none.
@@ -209,7 +221,7 @@ shared_entry(const StatsKey *key)
 		if (e == NULL && stats_area->ndatabases < IDEM_STATS_DATABASES)
 		{
 			e = hash_search(stats_hash, &okey, HASH_ENTER, &found);
-			init_entry(e);
+			init_database_entry(e);
 			stats_area->ndatabases++;
 		}
 	}
@@ -300,6 +312,40 @@ idem_stats_count_relation(Oid relid, IdemStatCounter counter)
 	add(find_entry(&key), counter, 1);
 }
 
+/*
+ * A maintenance round ran in this transaction: as it commits, record the
+ * time in the database's overflow row (idempotency.stats_info()), for
+ * monitoring that alerts when maintenance stops.
+ */
+void
+idem_stats_maintained(void)
+{
+	if (stats_area != NULL)
+		maintained_pending = true;
+}
+
+static void
+stats_xact_callback(XactEvent event, void *arg)
+{
+	StatsKey	okey;
+	StatsEntry *e;
+
+	if (!maintained_pending)
+		return;
+	/* before the commit record: nothing may fail after it */
+	if (event == XACT_EVENT_PRE_COMMIT || event == XACT_EVENT_PARALLEL_PRE_COMMIT)
+	{
+		memset(&okey, 0, sizeof(okey));
+		okey.dboid = MyDatabaseId;
+		e = shared_entry(&okey);
+		if (e != NULL)
+			pg_atomic_write_u64(&e->maintained_at, (uint64) GetCurrentTimestamp());
+	}
+	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
+		event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
+		maintained_pending = false;
+}
+
 /*---- SQL functions ----*/
 
 static bool
@@ -314,7 +360,7 @@ counted_any(StatsEntry *e)
 static Datum
 timestamp_or_null(pg_atomic_uint64 *v, bool *isnull)
 {
-	uint64		t = pg_atomic_read_u64(v);
+	uint64		t = v != NULL ? pg_atomic_read_u64(v) : 0;
 
 	*isnull = t == 0;
 	return TimestampTzGetDatum((TimestampTz) t);
@@ -365,15 +411,16 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 
 /*
  * idempotency.stats_info(): whether the counters are kept, the bound, how
- * much of it is used (all databases), events that found no row, and when
- * this database's counters were last reset (or the server started).
+ * much of it is used (all databases), events that found no row, when
+ * this database's counters were last reset (or the server started), and
+ * when its last maintenance round committed (since the server started).
  */
 Datum
 idem_stats_info(PG_FUNCTION_ARGS)
 {
 	TupleDesc	desc = idem_result_tupdesc(fcinfo);
-	Datum		values[6];
-	bool		nulls[6] = {false};
+	Datum		values[7];
+	bool		nulls[7] = {false};
 
 	values[0] = BoolGetDatum(stats_area != NULL);
 	values[1] = Int32GetDatum(stats_max_scopes);
@@ -389,12 +436,13 @@ idem_stats_info(PG_FUNCTION_ARGS)
 		values[3] = Int32GetDatum(stats_area->ndatabases);
 		e = hash_search(stats_hash, &okey, HASH_FIND, NULL);
 		values[5] = TimestampTzGetDatum(e != NULL ? e->reset_at : stats_area->started_at);
+		values[6] = timestamp_or_null(e != NULL ? &e->maintained_at : NULL, &nulls[6]);
 		LWLockRelease(stats_area->lock);
 		values[4] = Int64GetDatum((int64) pg_atomic_read_u64(&stats_area->dropped));
 	}
 	else
 	{
-		for (int i = 1; i < 6; i++)
+		for (int i = 1; i < 7; i++)
 			nulls[i] = true;
 	}
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, values, nulls)));
@@ -470,6 +518,7 @@ idem_stats_init(void)
 							PGC_POSTMASTER,
 							0,
 							NULL, NULL, NULL);
+	RegisterXactCallback(stats_xact_callback, NULL);
 	prev_shmem_request_hook = shmem_request_hook;
 	shmem_request_hook = stats_shmem_request;
 	prev_shmem_startup_hook = shmem_startup_hook;

@@ -27,11 +27,12 @@ COMMENT ON FUNCTION idempotency.stats_counters() IS
 
 CREATE FUNCTION idempotency.stats_info(
         OUT preloaded boolean, OUT max_scopes integer, OUT scopes_tracked integer,
-        OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz)
+        OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz,
+        OUT last_maintenance timestamptz)
     RETURNS record
     AS 'MODULE_PATHNAME', 'idem_stats_info' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.stats_info() IS
-    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset';
+    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round';
 
 CREATE FUNCTION idem_stats_reset()
     RETURNS void
