@@ -13,14 +13,16 @@
 -- (see the Makefile), so it must only create objects (and fill the scope
 -- history from the partitions 1.0 sealed).
 
-CREATE FUNCTION idempotency.stats_counters(
-        OUT scope text, OUT relation regclass,
-        OUT claims bigint, OUT duplicates bigint, OUT payload_mismatches bigint,
-        OUT releases bigint, OUT stale_skips bigint, OUT invalid_transitions bigint,
-        OUT requests_started bigint, OUT requests_completed bigint,
-        OUT requests_conflicted bigint,
-        OUT last_claim_at timestamptz, OUT last_duplicate_at timestamptz)
-    RETURNS SETOF record
+-- A counted row of idempotency.stats.
+CREATE TYPE idempotency.stats_row AS (
+    scope text, relation regclass,
+    claims bigint, duplicates bigint, payload_mismatches bigint,
+    releases bigint, stale_skips bigint, invalid_transitions bigint,
+    requests_started bigint, requests_completed bigint, requests_conflicted bigint,
+    last_claim_at timestamptz, last_duplicate_at timestamptz);
+
+CREATE FUNCTION idempotency.stats_counters()
+    RETURNS SETOF idempotency.stats_row
     AS 'MODULE_PATHNAME', 'idem_stats_counters' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.stats_counters() IS
     'this database''s shared-memory counters since the last reset (no rows unless the library is preloaded)';
@@ -144,14 +146,8 @@ COMMENT ON VIEW idempotency.outbox_backlog IS
 -- request store still keeps, and a row per guarded table -- and NULL for
 -- what only shared memory knows.  A function, so that only one of the two
 -- is ever computed.
-CREATE FUNCTION idempotency.stats_rows(
-        OUT scope text, OUT relation regclass,
-        OUT claims bigint, OUT duplicates bigint, OUT payload_mismatches bigint,
-        OUT releases bigint, OUT stale_skips bigint, OUT invalid_transitions bigint,
-        OUT requests_started bigint, OUT requests_completed bigint,
-        OUT requests_conflicted bigint,
-        OUT last_claim_at timestamptz, OUT last_duplicate_at timestamptz)
-    RETURNS SETOF record
+CREATE FUNCTION idempotency.stats_rows()
+    RETURNS SETOF idempotency.stats_row
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$

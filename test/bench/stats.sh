@@ -25,22 +25,7 @@ cleanup() {
 trap cleanup EXIT
 bench_restart "shared_preload_libraries=${old_preload:+${old_preload// /},}idempotency"
 
-psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-DROP TABLE IF EXISTS bench_plain;
-CREATE TABLE bench_plain (
-    scope      text,
-    key        text,
-    claimed_at timestamptz DEFAULT now(),
-    PRIMARY KEY (scope, key)
-);
-SELECT count(*) FROM idem_claim_many(ARRAY(SELECT g::text FROM generate_series(1, 10000) g));
-INSERT INTO bench_plain (scope, key)
-SELECT 'default', g::text FROM generate_series(1, 10000) g ON CONFLICT DO NOTHING;
-VACUUM ANALYZE;
-CHECKPOINT;
-SQL
+bench_claims_setup
 [[ $(psql -X -At -c 'SELECT preloaded FROM idempotency.stats_info()') == t ]] ||
     { echo "stats bench: the library is not preloaded" >&2; exit 1; }
 
