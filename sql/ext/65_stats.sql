@@ -95,10 +95,11 @@ SELECT x.scope,
        min(x.first_claim_at) AS first_claim_at,
        max(x.last_claim_at) AS last_claim_at,
        sum(x.claims)::bigint AS claims
-FROM (SELECT h.scope::text, h.first_claim_at, h.last_claim_at, h.claims
+FROM (SELECT h.scope::text COLLATE "C" AS scope, h.first_claim_at, h.last_claim_at, h.claims
       FROM idempotency.scope_history h
       UNION ALL
-      SELECT * FROM idempotency.live_scopes()) x
+      SELECT l.scope COLLATE "C", l.first_claim_at, l.last_claim_at, l.claims
+      FROM idempotency.live_scopes() l) x
 GROUP BY x.scope;
 COMMENT ON VIEW idempotency.consumers IS
     'every scope claimed in, with its first and last claim and how many claims it made (released ones not counted)';
@@ -168,7 +169,7 @@ BEGIN
                NULL::bigint, NULL::bigint, q.started, q.completed, NULL::bigint,
                k.last_claim_at, NULL::timestamptz
         FROM idempotency.consumers k
-        LEFT JOIN (SELECT 'request:' || r.scope AS scope,
+        LEFT JOIN (SELECT ('request:' || r.scope) COLLATE "C" AS scope,
                           count(*) AS started,
                           count(*) FILTER (WHERE r.status = 'completed') AS completed
                    FROM idempotency.requests r
@@ -189,7 +190,7 @@ COMMENT ON FUNCTION idempotency.stats_rows() IS
 -- outbox aggregate type (scope 'outbox:<type>', its backlog), and the
 -- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
 CREATE VIEW idempotency.stats AS
-SELECT coalesce(r.scope, 'outbox:' || o.aggregate_type) AS scope,
+SELECT coalesce(r.scope, o.scope) AS scope,
        r.relation,
        r.claims, r.duplicates, r.payload_mismatches, r.releases,
        r.stale_skips, r.invalid_transitions,
@@ -200,7 +201,8 @@ SELECT coalesce(r.scope, 'outbox:' || o.aggregate_type) AS scope,
        r.last_claim_at, r.last_duplicate_at,
        i.stats_reset
 FROM idempotency.stats_rows() r
-FULL JOIN idempotency.outbox_backlog o ON r.scope = 'outbox:' || o.aggregate_type
+FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope, b.*
+           FROM idempotency.outbox_backlog b) o ON r.scope COLLATE "C" = o.scope
 CROSS JOIN idempotency.stats_info() i;
 COMMENT ON VIEW idempotency.stats IS
     'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog';
