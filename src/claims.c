@@ -352,11 +352,14 @@ check_payload(ClaimKey *ck, ProbeResult *res)
 	else
 		return;					/* claimed without a payload */
 	if (differs)
+	{
+		idem_stats_count_scope(ck->scope, IDEM_STAT_PAYLOAD_MISMATCHES, 1);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_KEY_REUSED),
 				 errmsg("idempotency key reused with a different payload"),
 				 errdetail("Scope \"%s\", key \"%s\" was claimed with a different payload.",
 						   text_to_cstring(ck->scope), key_for_message(ck->key))));
+	}
 }
 
 /*---- partitions: columns and indexes ----*/
@@ -812,6 +815,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 			if (res.status == PROBE_FOUND)
 			{
 				check_payload(ck, &res);
+				idem_stats_count_scope(ck->scope, IDEM_STAT_DUPLICATES, 1);
 				return false;
 			}
 		}
@@ -842,12 +846,16 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		LockRelease(&tag, ExclusiveLock, false);
 
 		if (ins == INSERT_DONE)
+		{
+			idem_stats_count_scope(ck->scope, IDEM_STAT_CLAIMS, 1);
 			return true;
+		}
 		if (res.status == PROBE_BUSY)
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
 		else if (res.status == PROBE_FOUND)
 		{
 			check_payload(ck, &res);
+			idem_stats_count_scope(ck->scope, IDEM_STAT_DUPLICATES, 1);
 			return false;
 		}
 		else if (ins == INSERT_GONE)
@@ -1135,5 +1143,7 @@ idem_release(PG_FUNCTION_ARGS)
 	}
 	LockRelease(&tag, ExclusiveLock, false);
 	claim_call_close(&call);
+	if (released)
+		idem_stats_count_scope(ck.scope, IDEM_STAT_RELEASES, 1);
 	PG_RETURN_BOOL(released);
 }

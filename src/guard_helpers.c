@@ -625,6 +625,7 @@ idem_upsert(PG_FUNCTION_ARGS)
 		if (processed == 0)
 		{
 			idem_guard_counts.upsert_stale++;
+			idem_stats_count_relation(relid, IDEM_STAT_STALE_SKIPS);
 			result = "stale";
 		}
 		else

@@ -36,9 +36,10 @@
  *	  holds the row.  Only when describing a row in a message is the primary
  *	  key index opened, with AccessShareLock.
  *
- * Counters are per backend (idem_guard_counts below, exposed through
- * idempotency.guard_stats(); guard_helpers.c counts its outcomes there
- * too); no shared memory is used here.  idem_guards_init() defines
+ * Counters are kept twice: per backend (idem_guard_counts below, exposed
+ * through idempotency.guard_stats(); guard_helpers.c counts its outcomes
+ * there too) and per table for the whole cluster (stats.c, when preloaded;
+ * idempotency.stats).  idem_guards_init() defines
  * idempotency.guard_log_level, the level at which skips are logged, and
  * sets up the helpers' plan caches.
  *
@@ -389,11 +390,13 @@ idem_version_guard(PG_FUNCTION_ARGS)
 	if (st->raise)
 	{
 		idem_guard_counts.stale_rejected++;
+		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_STALE_SKIPS);
 		elevel = ERROR;
 	}
 	else
 	{
 		idem_guard_counts.stale_skipped++;
+		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_STALE_SKIPS);
 		elevel = guard_log_level;
 	}
 
@@ -497,11 +500,13 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 	if (st->raise)
 	{
 		idem_guard_counts.invalid_rejected++;
+		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_INVALID_TRANSITIONS);
 		elevel = ERROR;
 	}
 	else
 	{
 		idem_guard_counts.invalid_skipped++;
+		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_INVALID_TRANSITIONS);
 		elevel = guard_log_level;
 		if (!message_level_is_interesting(elevel))
 			return PointerGetDatum(NULL);

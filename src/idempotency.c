@@ -26,6 +26,7 @@ _PG_init(void)
 {
 	idem_partitions_init();
 	idem_filters_init();
+	idem_stats_init();
 	idem_guards_init();
 	idem_store_init();
 	idem_outbox_init();

@@ -279,6 +279,28 @@ extern void idem_outbox_init(void);
 /*---- inbox.c: the inbox ----*/
 extern void idem_inbox_init(void);
 
+/*---- stats.c: the counters behind idempotency.stats ----*/
+
+/* in the column order of idempotency.stats_counters() */
+typedef enum IdemStatCounter
+{
+	IDEM_STAT_CLAIMS,
+	IDEM_STAT_DUPLICATES,
+	IDEM_STAT_PAYLOAD_MISMATCHES,
+	IDEM_STAT_RELEASES,
+	IDEM_STAT_STALE_SKIPS,
+	IDEM_STAT_INVALID_TRANSITIONS,
+	IDEM_STAT_REQUESTS_STARTED,
+	IDEM_STAT_REQUESTS_COMPLETED,
+	IDEM_STAT_REQUESTS_CONFLICTED,
+	IDEM_STAT_NCOUNTERS
+} IdemStatCounter;
+
+extern void idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n);
+extern void idem_stats_count_relation(Oid relid, IdemStatCounter counter);
+extern void idem_stats_maintained(void);
+extern void idem_stats_init(void);
+
 /* worker.c: the maintenance background worker */
 extern void idem_worker_init(void);
 extern PGDLLEXPORT void idem_launcher_main(Datum main_arg);

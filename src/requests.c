@@ -344,6 +344,7 @@ same_payload(bytea *stored, bytea *given)
 static void
 key_reused(RequestKey *rk)
 {
+	idem_stats_count_scope(rk->claim_scope, IDEM_STAT_PAYLOAD_MISMATCHES, 1);
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_KEY_REUSED),
 			 errmsg("idempotency key \"%s\" in scope \"%s\" was used with another payload",
@@ -357,6 +358,7 @@ in_progress(RequestKey *rk, RequestRow *row, TimestampTz now)
 {
 	int64		left = row->lease_until - now;
 
+	idem_stats_count_scope(rk->claim_scope, IDEM_STAT_REQUESTS_CONFLICTED, 1);
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_REQUEST_IN_PROGRESS),
 			 errmsg("request \"%s\" in scope \"%s\" is in progress", rk->key_str, rk->scope_str),
@@ -515,6 +517,8 @@ idem_request_begin(PG_FUNCTION_ARGS)
 	begin_request(&rk, payload, lease, wait, &row);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
+	if (row.status != REQ_COMPLETED)
+		idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_STARTED, 1);
 
 	values[0] = CStringGetTextDatum(row.status == REQ_COMPLETED ? "completed" : "started");
 	values[1] = row.response;
@@ -645,6 +649,7 @@ idem_request_complete(PG_FUNCTION_ARGS)
 	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
 	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls, false);
+	idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_COMPLETED, 1);
 	PG_RETURN_VOID();
 }
 

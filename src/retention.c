@@ -305,6 +305,33 @@ set_upper(Oid relid, TimestampTz upper)
 /*---- sealing ----*/
 
 /*
+ * Add what a partition being sealed holds, per scope, to
+ * idempotency.scope_history (idempotency.consumers), in the sealing
+ * transaction: once sealed, a partition's claims are counted there and no
+ * longer live.  A database still at version 1.0 has no such table.
+ */
+static void
+fold_scopes(Oid relid)
+{
+	char	   *sql;
+
+	if (!OidIsValid(get_relname_relid("scope_history", idem_schema_oid())))
+		return;
+	sql = psprintf("INSERT INTO idempotency.scope_history AS h"
+				   " SELECT c.scope, min(c.claimed_at), max(c.claimed_at), count(*)"
+				   " FROM %s c GROUP BY c.scope"
+				   " ON CONFLICT (scope) DO UPDATE SET"
+				   " first_claim_at = least(h.first_claim_at, excluded.first_claim_at),"
+				   " last_claim_at = greatest(h.last_claim_at, excluded.last_claim_at),"
+				   " claims = h.claims + excluded.claims",
+				   quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+											  get_rel_name(relid)));
+	if (SPI_execute(sql, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not update idempotency.scope_history");
+	pfree(sql);
+}
+
+/*
  * Seal a partition: no claim may go into it any more, which lets claimers
  * check it without the value lock, mostly through its Bloom filter.
  */
@@ -345,6 +372,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
+	fold_scopes(p->relid);
 	idem_report_action(r->rep, "seal", name);
 	return true;
 }
@@ -624,6 +652,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	idem_stores_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
+	idem_stats_maintained();
 	return true;
 }
 

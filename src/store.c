@@ -414,7 +414,9 @@ partition_pinned(const StoreDesc *d, Oid relid)
 							  1, types, values, NULL, true, 0) != SPI_OK_SELECT ||
 		SPI_processed != 1)
 		elog(ERROR, "could not check %s partition %u", d->name, relid);
-	return DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+	/* NULL: the function does not know it as a partition; keep it, to be safe */
+	return DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull)) ||
+		isnull;
 }
 
 /* Lock a relation AccessExclusive if it is free now or within half a second. */

@@ -24,7 +24,8 @@
 #   CI=true       build with -Werror (make WERROR=1), as .ci/run does
 
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
-               postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 postgresql-15-plproxy)
+               postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
+               postgresql-15-plproxy)
 
 idem_log()  { printf '==> %s\n' "$*"; }
 idem_warn() { printf 'WARNING: %s\n' "$*" >&2; }

@@ -182,16 +182,21 @@ COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
     'drop dead-lettered events for good';
 
 -- True if a partition holds an undelivered or dead-lettered event, so
--- maintenance must keep it.  May scan the partition: maintenance asks it
--- only of partitions past their retention.
+-- maintenance must keep it (NULL for a table that is no outbox partition).
+-- Runs as the extension's owner, so that idempotency.partitions reads for
+-- a monitoring role granted only the view.  May scan the partition:
+-- maintenance and the view ask it only of partitions past their retention.
 CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     pinned boolean;
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM idempotency.outbox_partitions p WHERE p.relid = part) THEN
+        RETURN NULL;            -- not one of ours: nothing to say
+    END IF;
     EXECUTE format(
         'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
         '                 ON e.aggregate_type = x.aggregate_type'

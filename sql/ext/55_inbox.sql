@@ -121,15 +121,20 @@ COMMENT ON FUNCTION idem_inbox_replay(text, timestamptz, timestamptz) IS
     'make processed and dead messages of a source received in [since, until) claimable again';
 
 -- True if a partition holds a message that is not done (pending, leased,
--- waiting for a retry or dead), so maintenance must keep it.
+-- waiting for a retry or dead), so maintenance must keep it; NULL for a
+-- table that is no inbox partition.  Runs as the extension's owner, like
+-- outbox_partition_pinned().
 CREATE FUNCTION idempotency.inbox_partition_pinned(part regclass)
     RETURNS boolean
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     pinned boolean;
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM idempotency.inbox_partitions p WHERE p.relid = part) THEN
+        RETURN NULL;            -- not one of ours: nothing to say
+    END IF;
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s m WHERE m.done_at IS NULL)', part)
         INTO pinned;
     RETURN pinned;

@@ -16,23 +16,7 @@ set -euo pipefail
 dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
-psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-DROP TABLE IF EXISTS bench_plain;
-CREATE TABLE bench_plain (
-    scope      text,
-    key        text,
-    claimed_at timestamptz DEFAULT now(),
-    PRIMARY KEY (scope, key)
-);
--- the duplicates: keys 1..10000 exist in both
-SELECT count(*) FROM idem_claim_many(ARRAY(SELECT g::text FROM generate_series(1, 10000) g));
-INSERT INTO bench_plain (scope, key)
-SELECT 'default', g::text FROM generate_series(1, 10000) g ON CONFLICT DO NOTHING;
-VACUUM ANALYZE;
-CHECKPOINT;
-SQL
+bench_claims_setup
 
 echo "claims bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new dup; do

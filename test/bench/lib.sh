@@ -12,6 +12,10 @@
 # bench_ratio LABEL CAND_NAME CAND_TPS... -- BASE_NAME BASE_TPS...
 #                         prints "LABEL: CAND x tps vs BASE y tps = r.rrx" from
 #                         the medians (test/bench/run collects these lines)
+# bench_claims_setup      the claims benches' tables: bench_plain, the
+#                         hand-written (scope, key) baseline, and keys
+#                         1..10000 claimed and inserted beforehand in both
+#                         (the duplicates)
 # bench_restart [NAME=VALUE...]
 #                         ALTER SYSTEM SET each setting (NAME=  resets it; a
 #                         VALUE with commas is a list: 'a', 'b'), then
@@ -68,4 +72,23 @@ bench_restart() {
         echo "bench_restart: the server did not restart" >&2
         return 1
     }
+}
+
+bench_claims_setup() {
+    psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS idempotency;
+DROP TABLE IF EXISTS bench_plain;
+CREATE TABLE bench_plain (
+    scope      text,
+    key        text,
+    claimed_at timestamptz DEFAULT now(),
+    PRIMARY KEY (scope, key)
+);
+SELECT count(*) FROM idem_claim_many(ARRAY(SELECT g::text FROM generate_series(1, 10000) g));
+INSERT INTO bench_plain (scope, key)
+SELECT 'default', g::text FROM generate_series(1, 10000) g ON CONFLICT DO NOTHING;
+VACUUM ANALYZE;
+CHECKPOINT;
+SQL
 }

@@ -58,6 +58,16 @@ $node->safe_psql('source', q{
 	RESET idempotency.inbox_max_attempts;
 	SELECT idem_inbox_fail(id, 'later', '0 seconds') FROM taken WHERE message_id <> 'm4';
 });
+# the claims' partition sealed, so the scope history holds them
+$node->safe_psql('source', q{
+	SET idempotency.debug_clock_offset = '2h';
+	SELECT count(*) FROM idem_maintain();
+});
+my $consumers_sql = q{
+	SELECT (SELECT string_agg(scope || '=' || claims, ',' ORDER BY scope) FROM idempotency.consumers),
+	       (SELECT sum(claims) FROM idempotency.scope_history)};
+my $consumers_before = $node->safe_psql('source', $consumers_sql);
+like($consumers_before, qr/\|\d+$/, 'source: sealed claims are in the scope history');
 
 my $dump = $node->basedir . '/source.dump';
 $node->command_ok(
@@ -67,6 +77,8 @@ $node->command_ok(
 	[ 'pg_restore', '--exit-on-error', '-d', $node->connstr('target'), $dump ],
 	'pg_restore into a fresh database');
 
+is($node->safe_psql('target', $consumers_sql), $consumers_before,
+	'consumers and the scope history restored');
 is($node->safe_psql('target',
 		'SELECT retention, partition_interval, premake FROM idempotency.settings'),
 	'3 days|01:00:00|2', 'settings restored');

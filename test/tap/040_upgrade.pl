@@ -297,6 +297,15 @@ foreach my $old (@old)
 
 	# --- contents intact
 	is($node->safe_psql($db, $claims_sql), $claims_before, "$old -> $current: claims unchanged");
+	# the scope history starts with what the sealed partitions hold
+	ok($node->safe_psql($db, 'SELECT sum(claims) FROM idempotency.scope_history') > 0,
+		"$old -> $current: scope history filled from the sealed partitions");
+	is($node->safe_psql($db,
+			q{SELECT string_agg(scope || '=' || claims, ',' ORDER BY scope) FROM idempotency.consumers}),
+		$node->safe_psql($db, q{
+			SELECT string_agg(scope || '=' || n, ',' ORDER BY scope)
+			  FROM (SELECT scope, count(*) AS n FROM idempotency.claims GROUP BY scope) x}),
+		"$old -> $current: consumers count every claim once, sealed or not");
 	is($node->safe_psql($db, $registry_sql), $registry_before,
 		"$old -> $current: partition registry (ranges, sealed, Bloom filters) unchanged");
 	is($node->safe_psql($db,

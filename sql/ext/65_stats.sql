@@ -1,0 +1,208 @@
+-- Observability: idempotency.stats (counters per scope and per guarded
+-- table) and idempotency.consumers (every scope ever claimed in).
+--
+-- The counters live in shared memory when the library is preloaded (see
+-- src/stats.c); without preload the view answers what the tables can tell
+-- and leaves the rest NULL.  Like PostgreSQL's own statistics views these
+-- are for monitoring roles: a role granted USAGE on schema idempotency and
+-- SELECT on a view reads it whole, without any right on the tables behind
+-- (the two functions the views call run as the extension's owner, read
+-- only, with search_path pinned).
+--
+-- This file is new in 1.1: the upgrade script from 1.0 includes it whole
+-- (see the Makefile), so it must only create objects (and fill the scope
+-- history from the partitions 1.0 sealed).
+
+-- A counted row of idempotency.stats.
+CREATE TYPE idempotency.stats_row AS (
+    scope text, relation regclass,
+    claims bigint, duplicates bigint, payload_mismatches bigint,
+    releases bigint, stale_skips bigint, invalid_transitions bigint,
+    requests_started bigint, requests_completed bigint, requests_conflicted bigint,
+    last_claim_at timestamptz, last_duplicate_at timestamptz);
+
+CREATE FUNCTION idempotency.stats_counters()
+    RETURNS SETOF idempotency.stats_row
+    AS 'MODULE_PATHNAME', 'idem_stats_counters' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+COMMENT ON FUNCTION idempotency.stats_counters() IS
+    'this database''s shared-memory counters since the last reset (no rows unless the library is preloaded)';
+
+CREATE FUNCTION idempotency.stats_info(
+        OUT preloaded boolean, OUT max_scopes integer, OUT scopes_tracked integer,
+        OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz,
+        OUT last_maintenance timestamptz)
+    RETURNS record
+    AS 'MODULE_PATHNAME', 'idem_stats_info' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+COMMENT ON FUNCTION idempotency.stats_info() IS
+    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round';
+
+CREATE FUNCTION idem_stats_reset()
+    RETURNS void
+    AS 'MODULE_PATHNAME', 'idem_stats_reset' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+COMMENT ON FUNCTION idem_stats_reset() IS
+    'start this database''s idempotency.stats counters afresh';
+-- Resetting is an operator's business, like pg_stat_reset().
+REVOKE ALL ON FUNCTION idem_stats_reset() FROM PUBLIC;
+
+-- Per scope: what the claims of the partitions sealed so far held.  The
+-- maintenance round adds a partition here in the same transaction that
+-- seals it, so every claim is counted once: here once sealed, in the live
+-- partitions before.  Kept by pg_dump.
+CREATE TABLE idempotency.scope_history (
+    scope          text COLLATE "C" PRIMARY KEY,
+    first_claim_at timestamptz NOT NULL,
+    last_claim_at  timestamptz NOT NULL,
+    claims         bigint NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.scope_history', '');
+COMMENT ON TABLE idempotency.scope_history IS
+    'claims per scope of the sealed partitions (written by maintenance; read idempotency.consumers)';
+
+-- 1.0 sealed partitions without this table: count them now.
+INSERT INTO idempotency.scope_history
+SELECT c.scope, min(c.claimed_at), max(c.claimed_at), count(*)
+FROM idempotency.claims c
+WHERE c.tableoid IN (SELECT r.relid FROM idempotency.partition_registry r WHERE r.sealed)
+GROUP BY c.scope;
+
+-- Per scope: the claims of the partitions not sealed yet.  One aggregate
+-- per partition, in the caller's snapshot (STABLE), so a seal that
+-- committed is seen both here and in scope_history, or in neither.
+CREATE FUNCTION idempotency.live_scopes(
+        OUT scope text, OUT first_claim_at timestamptz, OUT last_claim_at timestamptz,
+        OUT claims bigint)
+    RETURNS SETOF record
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    part regclass;
+BEGIN
+    FOR part IN SELECT r.relid FROM idempotency.partition_registry r
+                WHERE NOT r.sealed ORDER BY r.lower
+    LOOP
+        RETURN QUERY EXECUTE format(
+            'SELECT scope::text, min(claimed_at), max(claimed_at), count(*) FROM %s GROUP BY scope',
+            part);
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION idempotency.live_scopes() IS
+    'claims per scope in the partitions not sealed yet';
+
+CREATE VIEW idempotency.consumers AS
+SELECT x.scope,
+       min(x.first_claim_at) AS first_claim_at,
+       max(x.last_claim_at) AS last_claim_at,
+       sum(x.claims)::bigint AS claims
+FROM (SELECT h.scope::text COLLATE "C" AS scope, h.first_claim_at, h.last_claim_at, h.claims
+      FROM idempotency.scope_history h
+      UNION ALL
+      SELECT l.scope COLLATE "C", l.first_claim_at, l.last_claim_at, l.claims
+      FROM idempotency.live_scopes() l) x
+GROUP BY x.scope;
+COMMENT ON VIEW idempotency.consumers IS
+    'every scope claimed in, with its first and last claim and how many claims it made (released ones not counted)';
+
+-- Per aggregate type: the outbox's backlog, dead letters and the age of the
+-- oldest event waiting (gauges, read from the tables).  An event behind a
+-- dead-lettered head waits; the head itself counts as dead.
+CREATE VIEW idempotency.outbox_backlog AS
+WITH pending AS (
+    SELECT s.aggregate_type, s.aggregate_id,
+           coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END AS done,
+           s.last_seq
+    FROM idempotency.outbox_sequences s
+    LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+), by_type AS (
+    SELECT p.aggregate_type,
+           sum(p.last_seq - p.done) AS pending,
+           min(e.created_at) AS oldest
+    FROM pending p
+    LEFT JOIN LATERAL (
+        SELECT o.created_at FROM idempotency.outbox_events o
+        WHERE o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
+          AND o.seq = p.done + 1
+        LIMIT 1) e ON true
+    WHERE p.last_seq > p.done
+    GROUP BY p.aggregate_type
+), dead AS (
+    SELECT l.aggregate_type, count(*) AS dead
+    FROM idempotency.outbox_dead_letters l
+    GROUP BY l.aggregate_type
+)
+SELECT coalesce(b.aggregate_type, d.aggregate_type)::text AS aggregate_type,
+       coalesce(b.pending, 0)::bigint AS pending,
+       coalesce(d.dead, 0)::bigint AS dead,
+       now() - b.oldest AS oldest_pending_age
+FROM by_type b
+FULL JOIN dead d ON d.aggregate_type = b.aggregate_type;
+COMMENT ON VIEW idempotency.outbox_backlog IS
+    'per aggregate type: outbox events not delivered yet, dead letters, age of the oldest waiting event';
+
+-- The counted rows of idempotency.stats: with preload, what shared memory
+-- counted since the last reset (and the guarded tables nothing was counted
+-- for yet, with zeros); without, what the tables hold -- a row per scope of
+-- idempotency.consumers, with claims, last_claim_at and the requests the
+-- request store still keeps, and a row per guarded table -- and NULL for
+-- what only shared memory knows.  A function, so that only one of the two
+-- is ever computed.
+CREATE FUNCTION idempotency.stats_rows()
+    RETURNS SETOF idempotency.stats_row
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF (SELECT i.preloaded FROM idempotency.stats_info() i) THEN
+        RETURN QUERY
+        SELECT * FROM idempotency.stats_counters() c
+        UNION ALL
+        SELECT NULL, t.relation, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL
+        FROM (SELECT DISTINCT g.tgrelid::regclass AS relation
+              FROM pg_catalog.pg_trigger g
+              WHERE g.tgname IN ('idem_guard_version', 'idem_guard_transitions')) t
+        WHERE NOT EXISTS (SELECT 1 FROM idempotency.stats_counters() c
+                          WHERE c.relation = t.relation);
+    ELSE
+        RETURN QUERY
+        SELECT k.scope, NULL::regclass, k.claims, NULL::bigint, NULL::bigint, NULL::bigint,
+               NULL::bigint, NULL::bigint, q.started, q.completed, NULL::bigint,
+               k.last_claim_at, NULL::timestamptz
+        FROM idempotency.consumers k
+        LEFT JOIN (SELECT ('request:' || r.scope) COLLATE "C" AS scope,
+                          count(*) AS started,
+                          count(*) FILTER (WHERE r.status = 'completed') AS completed
+                   FROM idempotency.requests r
+                   GROUP BY r.scope) q ON q.scope = k.scope
+        UNION ALL
+        SELECT DISTINCT NULL, g.tgrelid::regclass, NULL::bigint, NULL::bigint, NULL::bigint,
+               NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint,
+               NULL::bigint, NULL::timestamptz, NULL::timestamptz
+        FROM pg_catalog.pg_trigger g
+        WHERE g.tgname IN ('idem_guard_version', 'idem_guard_transitions');
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION idempotency.stats_rows() IS
+    'the counted rows of idempotency.stats (shared memory when preloaded, the tables otherwise)';
+
+-- One row per scope (relation NULL), per guarded table (scope NULL), per
+-- outbox aggregate type (scope 'outbox:<type>', its backlog), and the
+-- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
+CREATE VIEW idempotency.stats AS
+SELECT coalesce(r.scope, o.scope) AS scope,
+       r.relation,
+       r.claims, r.duplicates, r.payload_mismatches, r.releases,
+       r.stale_skips, r.invalid_transitions,
+       r.requests_started, r.requests_completed, r.requests_conflicted,
+       o.pending AS outbox_pending,
+       o.dead AS outbox_dead,
+       o.oldest_pending_age AS outbox_oldest_pending_age,
+       r.last_claim_at, r.last_duplicate_at,
+       i.stats_reset
+FROM idempotency.stats_rows() r
+FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope, b.*
+           FROM idempotency.outbox_backlog b) o ON r.scope COLLATE "C" = o.scope
+CROSS JOIN idempotency.stats_info() i;
+COMMENT ON VIEW idempotency.stats IS
+    'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog';

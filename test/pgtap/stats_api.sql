@@ -1,0 +1,75 @@
+-- pgTAP: the public API of observability (SPEC.md §6): the views and their
+-- columns in SPEC order, idem_stats_reset() and who may call it, the
+-- security of the functions the views call (owner's rights, pinned
+-- search_path, read only), and what the views answer without preload (the
+-- pgTAP cluster does not preload the library).  Runs in one transaction
+-- that rolls back.
+BEGIN;
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS pgtap;
+CREATE EXTENSION IF NOT EXISTS idempotency;
+
+SELECT plan(20);
+
+-- objects and columns, in the order SPEC §6 writes them
+SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
+SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
+                 WHERE attrelid = 'idempotency.stats'::regclass AND attnum > 0 ORDER BY attnum),
+          ARRAY['scope', 'relation', 'claims', 'duplicates', 'payload_mismatches', 'releases',
+                'stale_skips', 'invalid_transitions', 'requests_started', 'requests_completed',
+                'requests_conflicted', 'outbox_pending', 'outbox_dead', 'outbox_oldest_pending_age',
+                'last_claim_at', 'last_duplicate_at', 'stats_reset'],
+          'idempotency.stats has the SPEC columns in order');
+SELECT col_type_is('idempotency', 'stats', 'relation', 'regclass', 'stats.relation is regclass');
+SELECT col_type_is('idempotency', 'stats', 'outbox_oldest_pending_age', 'interval',
+                   'stats.outbox_oldest_pending_age is an interval');
+SELECT has_view('idempotency', 'consumers', 'view idempotency.consumers exists');
+SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
+                 WHERE attrelid = 'idempotency.consumers'::regclass AND attnum > 0 ORDER BY attnum),
+          ARRAY['scope', 'first_claim_at', 'last_claim_at', 'claims'],
+          'idempotency.consumers has the SPEC columns in order');
+SELECT has_table('idempotency', 'scope_history', 'table idempotency.scope_history exists');
+SELECT ok((SELECT 'idempotency.scope_history'::regclass::oid = ANY (extconfig) FROM pg_extension
+            WHERE extname = 'idempotency'), 'scope_history is dumped by pg_dump');
+
+-- idem_stats_reset(): a superuser's (or a grantee's) business
+SELECT has_function('idem_stats_reset', ARRAY[]::text[], 'idem_stats_reset() exists');
+SELECT function_returns('idem_stats_reset', ARRAY[]::text[], 'void', 'idem_stats_reset() returns void');
+SELECT ok(NOT has_function_privilege('public', 'idem_stats_reset()', 'EXECUTE'),
+          'PUBLIC may not reset the counters');
+
+-- the functions behind the views run as the owner, read only, search_path pinned
+SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
+                 WHERE p.prosecdef AND p.pronamespace = 'idempotency'::regnamespace
+                 ORDER BY 1),
+          ARRAY['idempotency.inbox_partition_pinned(regclass)', 'idempotency.live_scopes()',
+                'idempotency.outbox_partition_pinned(regclass)', 'idempotency.stats_rows()'],
+          'the only SECURITY DEFINER functions are the four the views call');
+SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
+                 WHERE p.prosecdef AND p.pronamespace = 'idempotency'::regnamespace
+                   AND NOT 'search_path=pg_catalog, pg_temp' = ANY (coalesce(p.proconfig, '{}'))),
+          ARRAY[]::text[], 'each pins search_path');
+SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
+                 WHERE p.prosecdef AND p.pronamespace = 'idempotency'::regnamespace
+                   AND p.provolatile = 'v'),
+          ARRAY[]::text[], 'none is volatile');
+SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
+                 WHERE p.prosecdef AND p.pronamespace <> 'idempotency'::regnamespace
+                   AND p.oid IN (SELECT objid FROM pg_depend WHERE refobjid =
+                                 (SELECT oid FROM pg_extension WHERE extname = 'idempotency'))),
+          ARRAY[]::text[], 'no public idem_ function is SECURITY DEFINER');
+SELECT is(idempotency.outbox_partition_pinned('idempotency.settings'), NULL,
+          'outbox_partition_pinned answers nothing about a table that is no outbox partition');
+
+-- without preload: the tables answer, the counters are NULL
+SELECT ok(idem_claim('pgtap-1', 'pgtap-scope'), 'a claim');
+SELECT is((SELECT format('%s|%s|%s|%s', scope, claims, duplicates, stats_reset)
+             FROM idempotency.stats WHERE scope = 'pgtap-scope'),
+          'pgtap-scope|1||',
+          'without preload: claims from the tables, duplicates and stats_reset NULL');
+SELECT is((SELECT claims FROM idempotency.consumers WHERE scope = 'pgtap-scope'), 1::bigint,
+          'consumers lists the scope');
+SELECT is((SELECT preloaded FROM idempotency.stats_info()), false, 'stats_info: not preloaded');
+
+SELECT * FROM finish();
+ROLLBACK;
