@@ -267,10 +267,17 @@ BEGIN
         ARRAY['claimed(key text, scope text DEFAULT ''default'')',
               'TABLE(owned integer[], claimed_at timestamp with time zone)',
               format('SELECT %s, %s.idem_claimed(key, scope) AS claimed_at', owned, ext)],
-        ARRAY['claims_by_scope()',
-              'TABLE(owned integer[], scope text, claims bigint, newest_claim timestamp with time zone)',
-              format('SELECT %s, c.scope, pg_catalog.count(*) AS claims, pg_catalog.max(c.claimed_at) AS newest_claim'
-                     ' FROM idempotency.claims AS c GROUP BY c.scope', owned)]];
+        ARRAY['stats()',
+              'TABLE(owned integer[], scope text, relation text, claims bigint, duplicates bigint,'
+              ' payload_mismatches bigint, stale_skips bigint, invalid_transitions bigint,'
+              ' outbox_pending bigint, outbox_dead bigint,'
+              ' last_claim_at timestamp with time zone, last_duplicate_at timestamp with time zone)',
+              format('SELECT %s, st.scope::text AS scope, st.relation::text AS relation,'
+                     ' st.claims::bigint AS claims, st.duplicates::bigint AS duplicates,'
+                     ' st.payload_mismatches::bigint AS payload_mismatches, st.stale_skips::bigint AS stale_skips,'
+                     ' st.invalid_transitions::bigint AS invalid_transitions,'
+                     ' st.outbox_pending::bigint AS outbox_pending, st.outbox_dead::bigint AS outbox_dead,'
+                     ' st.last_claim_at, st.last_duplicate_at FROM idempotency.stats AS st', owned)]];
     ddl := format(E'-- router-side admin proxies (RUN ON ALL), generated on database %I by idem_shard_router_admin_ddl()\n'
                   'CREATE SCHEMA IF NOT EXISTS %I;\n', current_database(), schema);
     FOR i IN 1 .. array_length(proxies, 1) LOOP
@@ -289,4 +296,4 @@ END
 $fn$;
 REVOKE ALL ON FUNCTION idem_shard_router_admin_ddl(text, name) FROM PUBLIC;
 COMMENT ON FUNCTION idem_shard_router_admin_ddl(text, name) IS
-    'router-side DDL: RUN ON ALL proxies (ownership, maintain, configure, settings, claimed, claims_by_scope) in schema';
+    'router-side DDL: RUN ON ALL proxies (ownership, maintain, configure, settings, claimed, stats) in schema';

@@ -144,6 +144,12 @@ like($r->{per_shard}, qr/^shard_a=[1-9]\d* shard_b=[1-9]\d*$/, 'both shards got 
 is($node->safe_psql('router', q{
 	SELECT count(*) FILTER (WHERE claimed_at IS NOT NULL) FROM idem_shards.claimed('ev-1', 'payments')}),
 	'1', 'the admin proxy finds the claim of an event on exactly one shard');
+is($node->safe_psql('router', q{
+	SELECT string_agg(owned::text || ':' || claims, ' ' ORDER BY owned) || ' = ' || sum(claims)
+	  FROM idem_shards.stats() WHERE scope = 'payments'}),
+	$node->safe_psql('shard_a', q{SELECT '{0}:' || count(*) FROM idempotency.claims WHERE scope = 'payments'}) . ' '
+	  . $node->safe_psql('shard_b', q{SELECT '{1}:' || count(*) FROM idempotency.claims WHERE scope = 'payments'})
+	  . " = $EVENTS", 'the stats proxy adds up the claims of both shards');
 
 # ---- 2. misroutes are refused before claiming ----
 my ($acct_b) = map { $_ } grep {
