@@ -12,6 +12,7 @@
 # synchronous_commit = off on every database (the shards' sessions are
 # opened by PL/Proxy, so it is set per database).  Prints per-round tps,
 # the ratios, and the hop per call in ms (clients / tps, router minus direct).
+# Which of a pair runs first alternates from round to round.
 #
 # Connection from PGHOST/PGPORT/PGUSER (test/bench/run sets them).
 # Settings: IDEM_BENCH_ROUNDS (default 5), IDEM_BENCH_SECONDS per round
@@ -58,13 +59,22 @@ echo "plproxy bench: $ROUNDS interleaved rounds of ${SECS}s per method and case,
 for case in new dup guard; do
     base=() cand=()
     for r in $(seq "$ROUNDS"); do
+        # the baseline runs first in odd rounds, second in even ones
         if [[ $case == guard ]]; then
-            b=$(PGDATABASE=bench_direct bench_tps plproxy_claim_plain.sql)
-            c=$(PGDATABASE=bench_direct bench_tps plproxy_claim_routed.sql)
+            bdb=bench_direct bscript=plproxy_claim_plain.sql cdb=bench_direct cscript=plproxy_claim_routed.sql
+        else
+            bdb=bench_direct bscript=plproxy_$case.sql cdb=bench_router cscript=plproxy_$case.sql
+        fi
+        if ((r % 2)); then
+            b=$(PGDATABASE=$bdb bench_tps "$bscript")
+            c=$(PGDATABASE=$cdb bench_tps "$cscript")
+        else
+            c=$(PGDATABASE=$cdb bench_tps "$cscript")
+            b=$(PGDATABASE=$bdb bench_tps "$bscript")
+        fi
+        if [[ $case == guard ]]; then
             printf '  %s round %d: idem_claim %.0f tps, idem_claim_routed %.0f tps\n' "$case" "$r" "$b" "$c"
         else
-            b=$(PGDATABASE=bench_direct bench_tps "plproxy_$case.sql")
-            c=$(PGDATABASE=bench_router bench_tps "plproxy_$case.sql")
             printf '  %s round %d: direct %.0f tps, through the router %.0f tps\n' "$case" "$r" "$b" "$c"
         fi
         base+=("$b") cand+=("$c")
