@@ -57,6 +57,18 @@ RESET idempotency.outbox_max_attempts;
 SELECT scope, claims, outbox_pending, outbox_dead, outbox_oldest_pending_age >= '0' AS has_age
   FROM idempotency.stats WHERE scope LIKE 'outbox:%' ORDER BY 1;
 
+-- 4b. the inbox: messages not done per source, dead letters, on the row
+-- of the source's claims
+SELECT idem_inbox_receive('hooks', 'm' || g, '{}') FROM generate_series(1, 3) g;
+CREATE TEMP TABLE taken AS SELECT * FROM idem_inbox_claim(10);
+SELECT idem_inbox_done(ARRAY(SELECT id FROM taken WHERE message_id = 'm1'));
+SET idempotency.inbox_max_attempts = 1;
+SELECT idem_inbox_fail((SELECT id FROM taken WHERE message_id = 'm2'), 'poison');
+RESET idempotency.inbox_max_attempts;
+SELECT source, pending, dead, oldest_pending_age >= '0' AS has_age FROM idempotency.inbox_backlog;
+SELECT scope, claims, inbox_pending, inbox_dead, inbox_oldest_pending_age >= '0' AS has_age
+  FROM idempotency.stats WHERE scope LIKE 'inbox:%';
+
 -- 5. consumers across retention: sealed partitions are folded into the
 -- scope history once (same totals), dropped ones stay counted
 SELECT sum(claims) AS claims_before_seal FROM idempotency.consumers;

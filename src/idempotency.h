@@ -13,8 +13,9 @@
  * tokens, backoff, argument checks; the requests use its argument checks
  * too), requests.c (stored responses for Idempotency-Key requests), store.c
  * (the time partitions of the outbox's events, the inbox's messages and the
- * requests) and rows.c (rows written without the executor, for claims,
- * events, messages and requests); guarded writes take three,
+ * requests), rows.c (rows written without the executor, for claims,
+ * events, messages and requests) and stats.c (the shared-memory counters
+ * behind idempotency.stats); guarded writes take three,
  * guard_rules.c, guard_triggers.c and guard_helpers.c, which share guards.h.
  * idempotency.c holds only _PG_init and the few helpers every subsystem
  * uses.

@@ -140,6 +140,19 @@ FULL JOIN dead d ON d.aggregate_type = b.aggregate_type;
 COMMENT ON VIEW idempotency.outbox_backlog IS
     'per aggregate type: outbox events not delivered yet, dead letters, age of the oldest waiting event';
 
+-- Per source: the inbox's messages not done yet, dead letters among them,
+-- and the age of the oldest waiting one (gauges, read from the tables).
+CREATE VIEW idempotency.inbox_backlog AS
+SELECT m.source::text AS source,
+       count(*) FILTER (WHERE m.dead_at IS NULL) AS pending,
+       count(*) FILTER (WHERE m.dead_at IS NOT NULL) AS dead,
+       now() - min(m.received_at) FILTER (WHERE m.dead_at IS NULL) AS oldest_pending_age
+FROM idempotency.inbox_messages m
+WHERE m.done_at IS NULL
+GROUP BY m.source;
+COMMENT ON VIEW idempotency.inbox_backlog IS
+    'per source: inbox messages not processed yet, dead letters, age of the oldest waiting message';
+
 -- The counted rows of idempotency.stats: with preload, what shared memory
 -- counted since the last reset (and the guarded tables nothing was counted
 -- for yet, with zeros); without, what the tables hold -- a row per scope of
@@ -189,8 +202,10 @@ COMMENT ON FUNCTION idempotency.stats_rows() IS
 -- One row per scope (relation NULL), per guarded table (scope NULL), per
 -- outbox aggregate type (scope 'outbox:<type>', its backlog), and the
 -- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
+-- An inbox source's backlog joins its claims' row ('inbox:<source>').  The
+-- columns of SPEC section 6 come first, in its order; the inbox's follow.
 CREATE VIEW idempotency.stats AS
-SELECT coalesce(r.scope, o.scope) AS scope,
+SELECT coalesce(r.scope, o.scope, i.scope) AS scope,
        r.relation,
        r.claims, r.duplicates, r.payload_mismatches, r.releases,
        r.stale_skips, r.invalid_transitions,
@@ -199,10 +214,15 @@ SELECT coalesce(r.scope, o.scope) AS scope,
        o.dead AS outbox_dead,
        o.oldest_pending_age AS outbox_oldest_pending_age,
        r.last_claim_at, r.last_duplicate_at,
-       i.stats_reset
+       n.stats_reset,
+       i.pending AS inbox_pending,
+       i.dead AS inbox_dead,
+       i.oldest_pending_age AS inbox_oldest_pending_age
 FROM idempotency.stats_rows() r
 FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope, b.*
            FROM idempotency.outbox_backlog b) o ON r.scope COLLATE "C" = o.scope
-CROSS JOIN idempotency.stats_info() i;
+FULL JOIN (SELECT ('inbox:' || b.source) COLLATE "C" AS scope, b.*
+           FROM idempotency.inbox_backlog b) i ON coalesce(r.scope, o.scope) COLLATE "C" = i.scope
+CROSS JOIN idempotency.stats_info() n;
 COMMENT ON VIEW idempotency.stats IS
     'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog';

@@ -18,8 +18,9 @@ SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
           ARRAY['scope', 'relation', 'claims', 'duplicates', 'payload_mismatches', 'releases',
                 'stale_skips', 'invalid_transitions', 'requests_started', 'requests_completed',
                 'requests_conflicted', 'outbox_pending', 'outbox_dead', 'outbox_oldest_pending_age',
-                'last_claim_at', 'last_duplicate_at', 'stats_reset'],
-          'idempotency.stats has the SPEC columns in order');
+                'last_claim_at', 'last_duplicate_at', 'stats_reset',
+                'inbox_pending', 'inbox_dead', 'inbox_oldest_pending_age'],
+          'idempotency.stats has the SPEC columns in order, then the inbox''s');
 SELECT col_type_is('idempotency', 'stats', 'relation', 'regclass', 'stats.relation is regclass');
 SELECT col_type_is('idempotency', 'stats', 'outbox_oldest_pending_age', 'interval',
                    'stats.outbox_oldest_pending_age is an interval');

@@ -2,7 +2,7 @@
 # prometheus-postgres-exporter), connected as a monitoring role granted
 # only what doc/monitoring.md lists: every query runs without error, and the
 # metrics carry the values the database holds (claims and duplicates per
-# scope, stale skips per guarded table, outbox backlog and dead letters,
+# scope, stale skips per guarded table, outbox and inbox backlog, dead letters,
 # partitions per state, time since the last maintenance round, consumers).
 # Skipped when the exporter is not installed (test/run-tests installs it on
 # Debian).
@@ -34,7 +34,7 @@ CREATE EXTENSION idempotency;
 CREATE ROLE idem_monitor LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO idem_monitor;
 GRANT SELECT ON idempotency.stats, idempotency.consumers, idempotency.partitions,
-                idempotency.outbox_backlog TO idem_monitor;
+                idempotency.outbox_backlog, idempotency.inbox_backlog TO idem_monitor;
 -- activity
 SELECT idem_claim('k' || g, 'billing') FROM generate_series(1, 5) g;
 SELECT idem_claim('k1', 'billing'), idem_claim('k2', 'billing');
@@ -44,6 +44,7 @@ SELECT idem_guard_version('acct');
 UPDATE acct SET version = 4 WHERE id = 1;
 SELECT count(*) FROM idem_outbox_emit('order', 'o-1', 'created', '{}');
 SELECT count(*) FROM idem_outbox_emit('order', 'o-1', 'paid', '{}');
+SELECT idem_inbox_receive('hooks', 'm' || g, '{}') FROM generate_series(1, 3) g;
 SELECT count(*) FROM idem_maintain();
 });
 
@@ -89,6 +90,8 @@ cmp_ok(metric('idempotency_scope_seconds_without_duplicate', ['scope="billing"']
 is(metric('idempotency_guard_stale_skips', ['relation="acct"']), 1, 'acct: 1 stale skip');
 is(metric('idempotency_outbox_pending', ['aggregate_type="order"']), 2, 'outbox order: 2 pending');
 is(metric('idempotency_outbox_dead', ['aggregate_type="order"']), 0, 'outbox order: none dead');
+is(metric('idempotency_inbox_pending', ['source="hooks"']), 3, 'inbox hooks: 3 pending');
+is(metric('idempotency_inbox_dead', ['source="hooks"']), 0, 'inbox hooks: none dead');
 is(metric('idempotency_partitions_partitions', [ 'store="claims"', 'state="current"' ]),
 	1, 'claims: one current partition');
 cmp_ok(metric('idempotency_maintenance_seconds_ahead', ['store="claims"']),
