@@ -34,8 +34,14 @@ for case in new dup; do
     on=() off=() base=()
     for r in $(seq "$ROUNDS"); do
         b=$(bench_tps "claims_${case}_plain.sql")
-        o=$(PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql")
-        n=$(PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql")
+        # which setting runs first alternates, so the order costs neither
+        if ((r % 2)); then
+            o=$(PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql")
+            n=$(PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql")
+        else
+            n=$(PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql")
+            o=$(PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql")
+        fi
         base+=("$b") off+=("$o") on+=("$n")
         printf '  %s keys round %d: INSERT ON CONFLICT %.0f tps, idem_claim stats off %.0f tps, on %.0f tps\n' \
             "$case" "$r" "$b" "$o" "$n"
