@@ -167,8 +167,11 @@ CREATE FUNCTION idempotency.stats_rows()
 AS $$
 BEGIN
     IF (SELECT i.preloaded FROM idempotency.stats_info() i) THEN
+        -- a dropped table's counters stay in shared memory: not shown
         RETURN QUERY
         SELECT * FROM idempotency.stats_counters() c
+        WHERE c.relation IS NULL
+           OR EXISTS (SELECT 1 FROM pg_catalog.pg_class r WHERE r.oid = c.relation)
         UNION ALL
         SELECT NULL, t.relation, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL
         FROM (SELECT DISTINCT g.tgrelid::regclass AS relation

@@ -190,6 +190,17 @@ $node->safe_psql('postgres', 'CREATE ROLE app LOGIN');
 like($err, qr/permission denied to set parameter/,
 	'track_stats is for superusers to change');
 
+# a dropped guarded table leaves no row behind
+$node->safe_psql('postgres', 'CREATE TABLE gone (id int PRIMARY KEY, version int NOT NULL);'
+	. " SELECT idem_guard_version('gone'); INSERT INTO gone VALUES (1, 2);"
+	. ' UPDATE gone SET version = 1; DROP TABLE gone');
+is( $node->safe_psql(
+		'postgres',
+		q{SELECT count(*) FROM idempotency.stats WHERE relation IS NOT NULL AND relation::text ~ '^[0-9]+$'}),
+	'0', 'a dropped guarded table has no row');
+is( $node->safe_psql('postgres', 'SELECT scopes_tracked FROM idempotency.stats_info()'),
+	'2', 'its counters keep their row (beside extra-2) until a reset');
+
 # ---- 6. a streaming standby answers ----
 $node->backup('bkp');
 my $standby = PostgreSQL::Test::Cluster->new('standby');
