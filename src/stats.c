@@ -61,6 +61,9 @@ PG_FUNCTION_INFO_V1(idem_stats_reset);
 /* Slots kept for the overflow rows of this many databases. */
 #define IDEM_STATS_DATABASES	64
 
+/* Most pointers a backend keeps (scopes past the bound have one each too). */
+#define IDEM_STATS_LOCAL_MAX	4096
+
 /* What identifies a row: a scope (relid 0) or a table (scope ""), or neither: the overflow row. */
 typedef struct StatsKey
 {
@@ -237,7 +240,9 @@ find_entry(const StatsKey *key)
 	LocalEntry *le;
 	bool		found;
 
-	if (epoch != local_epoch || local_hash == NULL)
+	/* start afresh after a reset, or when a backend used very many scopes */
+	if (epoch != local_epoch || local_hash == NULL ||
+		hash_get_num_entries(local_hash) >= IDEM_STATS_LOCAL_MAX)
 	{
 		HASHCTL		info;
 
