@@ -38,12 +38,20 @@ SELECT count(*) FROM idempotency.shard_ownership;
 -- the table keeps the record sound even when written directly
 SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (4, '{5}')$$);
 SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (6, '{1}')$$);
+SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (4, '{1,NULL}')$$);
+SELECT pg_temp.try($$INSERT INTO idempotency.shard_ownership (partitions, owned) VALUES (1073741824, '{1}')$$);
 
 -- this database owns partitions 3 and 1 of 4 (stored sorted)
 SELECT idem_shard_configure(4, '{3,1}');
 SELECT partitions, owned, frozen FROM idempotency.shard_ownership;
 SELECT k, idem_shard_partition(k, 4) AS p, pg_temp.try(format('SELECT idem_shard_assert(%L)', k)) AS assert
   FROM unnest(ARRAY['1', '2', '42', 'acct-7', 'ü']) k;
+
+-- a huge routing key is cut to 100 bytes in the message
+SELECT left(m, 5) AS sqlstate, length(m) < 400 AS message_is_short
+  FROM (SELECT pg_temp.try(format('SELECT idem_shard_assert(%L)', k)) AS m
+          FROM (SELECT repeat('r', 100000) || g AS k FROM generate_series(1, 50) g) x
+         WHERE idem_shard_partition(k, 4) IN (0, 2) LIMIT 1) y;
 
 -- 4. A misrouted claim is refused before claiming: nothing is claimed
 SELECT pg_temp.try($$SELECT idem_claim_routed('2', 'e-2', 'payments')$$);

@@ -224,8 +224,8 @@ check_claims_privilege(IdemPartitionSet *set, AclMode mode, const char *what)
 }
 
 /* A key for messages: at most 100 bytes of it. */
-static char *
-key_for_message(text *key)
+char *
+idem_key_for_message(text *key)
 {
 	char	   *s = text_to_cstring(key);
 	int			len = strlen(s);
@@ -263,8 +263,8 @@ digest_bytes(pg_cryptohash_ctx *ctx, char tag, const void *data, uint32 len)
  * Every token is tagged and length-prefixed, so no two different values
  * feed the same bytes.
  */
-static void
-payload_digest(Jsonb *jb, uint8 *digest)
+void
+idem_payload_digest(Jsonb *jb, uint8 *digest)
 {
 	pg_cryptohash_ctx *ctx = pg_cryptohash_create(PG_SHA256);
 	JsonbIterator *it = JsonbIteratorInit(&jb->root);
@@ -358,7 +358,7 @@ check_payload(ClaimKey *ck, ProbeResult *res)
 				(errcode(ERRCODE_IDEM_KEY_REUSED),
 				 errmsg("idempotency key reused with a different payload"),
 				 errdetail("Scope \"%s\", key \"%s\" was claimed with a different payload.",
-						   text_to_cstring(ck->scope), key_for_message(ck->key))));
+						   text_to_cstring(ck->scope), idem_key_for_message(ck->key))));
 	}
 }
 
@@ -884,62 +884,53 @@ check_can_claim(const char *fname)
 /*
  * idem_claim(key text, scope text = 'default', payload jsonb = NULL)
  */
+/* Claim one checked key with its payload (NULL: none), for fname. */
+static bool
+claim_one(ClaimKey *ck, Jsonb *payload, const char *fname)
+{
+	ClaimCall	call;
+	bool		claimed;
+
+	ck->payload = payload;
+	ck->has_digest = payload != NULL;
+	if (payload != NULL)
+		idem_payload_digest(payload, ck->digest);
+	check_can_claim(fname);
+	claim_call_init(&call, false);
+	claimed = claim_key(&call, ck);
+	claim_call_close(&call);
+	return claimed;
+}
+
 Datum
 idem_claim(PG_FUNCTION_ARGS)
 {
 	ClaimKey	ck;
-	ClaimCall	call;
-	bool		claimed;
 
 	claim_key_args(fcinfo, 0, &ck);
-	if (!PG_ARGISNULL(2))
-	{
-		ck.payload = PG_GETARG_JSONB_P(2);
-		payload_digest(ck.payload, ck.digest);
-		ck.has_digest = true;
-	}
-	check_can_claim("idem_claim()");
-	claim_call_init(&call, false);
-	claimed = claim_key(&call, &ck);
-	claim_call_close(&call);
-	PG_RETURN_BOOL(claimed);
+	PG_RETURN_BOOL(claim_one(&ck, PG_ARGISNULL(2) ? NULL : PG_GETARG_JSONB_P(2),
+							 "idem_claim()"));
 }
 
 /*
- * Claim (scope, key) for another subsystem (the inbox, the requests), with
- * the same protocol, uniqueness and retention as idem_claim(); the caller
- * has checked both names.  payload may be NULL.  True if the caller's
- * transaction now holds the claim; IK001 if a claim with another payload
- * exists.
+ * Claim (scope, key) for another subsystem (the inbox, the requests, routed
+ * claims), with the same protocol, uniqueness and retention as
+ * idem_claim(); the caller has checked the scope, and names itself in
+ * fname.  payload may be NULL.  True if the caller's transaction now holds
+ * the claim; IK001 if a claim with another payload exists.
  */
 bool
-idem_claim_key(text *scope, text *key, Jsonb *payload)
+idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname)
 {
 	ClaimKey	ck;
-	ClaimCall	call;
-	bool		claimed;
 
 	idem_check_key(key);
 	ck.scope = scope;
 	ck.key = key;
 	ck.hash = idem_key_hash(scope, key);
-	ck.payload = payload;
-	ck.has_digest = payload != NULL;
-	if (payload != NULL)
-		payload_digest(payload, ck.digest);
-	check_can_claim("idem_claim()");
-	claim_call_init(&call, false);
-	claimed = claim_key(&call, &ck);
-	claim_call_close(&call);
-	return claimed;
+	return claim_one(&ck, payload, fname);
 }
 
-/* The SHA-256 digest of a payload that claims store (canonical jsonb). */
-void
-idem_payload_digest(Jsonb *payload, uint8 *digest)
-{
-	payload_digest(payload, digest);
-}
 
 /* Byte order of keys, for claiming a batch in a canonical order. */
 static text **sort_keys_base;

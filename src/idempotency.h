@@ -98,7 +98,8 @@ extern uint64 idem_key_hash(text *scope, text *key);
 /* claims.c: the claim protocol, for the subsystems built on it */
 extern void idem_check_key(text *key);
 extern void idem_check_scope(text *scope, int maxbytes);
-extern bool idem_claim_key(text *scope, text *key, Jsonb *payload);
+extern bool idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname);
+extern char *idem_key_for_message(text *key);
 extern void idem_payload_digest(Jsonb *payload, uint8 *digest);
 
 /*---- rows.c: rows written without the executor ----*/

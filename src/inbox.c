@@ -344,7 +344,7 @@ idem_inbox_receive(PG_FUNCTION_ARGS)
 	key = ordering_key(headers);
 
 	if (!idem_claim_key(cstring_to_text(psprintf(INBOX_SCOPE_PREFIX "%s", source)),
-						message_id, payload))
+						message_id, payload, "idem_inbox_receive()"))
 		PG_RETURN_BOOL(false);
 
 	txid = GetTopFullTransactionId();

@@ -409,7 +409,7 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 	}
 
 	now = idem_now();
-	if (idem_claim_key(rk->claim_scope, rk->key, NULL))
+	if (idem_claim_key(rk->claim_scope, rk->key, NULL, "idem_request_begin()"))
 	{
 		insert_row(rk, digest, now, now + lease);
 		out->status = REQ_STARTED;

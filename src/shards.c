@@ -219,13 +219,13 @@ assert_owned(text *routing_key)
 				 errmsg("database \"%s\" is frozen for a move of its hash partitions",
 						get_database_name(MyDatabaseId)),
 				 errdetail("It owns hash partitions %s of %d and refuses routed calls while frozen; routing key \"%s\" is in partition %d.",
-						   o->owned_text, o->partitions, text_to_cstring(routing_key), p),
+						   o->owned_text, o->partitions, idem_key_for_message(routing_key), p),
 				 errhint("Retry the call once the move is over.")));
 	if (!o->owned[p])
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_WRONG_SHARD),
 				 errmsg("routing key \"%s\" is in hash partition %d, which database \"%s\" does not own",
-						text_to_cstring(routing_key), p, get_database_name(MyDatabaseId)),
+						idem_key_for_message(routing_key), p, get_database_name(MyDatabaseId)),
 				 errdetail("This database owns hash partitions %s of %d; nothing was claimed.",
 						   o->owned_text, o->partitions),
 				 errhint("The call came with another routing key than the router hashed, or through a router whose partition map is stale.")));
@@ -272,7 +272,8 @@ idem_claim_routed(PG_FUNCTION_ARGS)
 	idem_check_scope(scope, IDEM_MAX_SCOPE_BYTES);
 	assert_owned(routing_key);
 	PG_RETURN_BOOL(idem_claim_key(scope, PG_GETARG_TEXT_PP(1),
-								  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3)));
+								  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
+								  "idem_claim_routed()"));
 }
 
 /*

@@ -7,8 +7,11 @@
 -- database moved by pg_dump keeps its ownership with its claims.
 CREATE TABLE idempotency.shard_ownership (
     singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    partitions    integer NOT NULL CHECK (partitions > 0 AND partitions & (partitions - 1) = 0),
-    owned         integer[] NOT NULL CHECK (0 <= ALL (owned) AND partitions > ALL (owned)),
+    partitions    integer NOT NULL
+                  CHECK (partitions BETWEEN 1 AND 65536 AND partitions & (partitions - 1) = 0),
+    owned         integer[] NOT NULL
+                  CHECK (array_position(owned, NULL) IS NULL
+                         AND 0 <= ALL (owned) AND partitions > ALL (owned)),
     frozen        boolean NOT NULL DEFAULT false,  -- refuse routed calls (a move in progress)
     configured_at timestamptz NOT NULL DEFAULT now()
 );
@@ -66,7 +69,6 @@ DECLARE
     f           pg_proc;
     a           record;
     cols        text[] := '{}';
-    arrays      text[] := '{}';     -- array arguments routing_expr may not use unsplit
     split_used  boolean := false;
     uses_arg    boolean := false;
     refers      boolean;
