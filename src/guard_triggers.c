@@ -387,16 +387,15 @@ idem_version_guard(PG_FUNCTION_ARGS)
 		return PointerGetDatum(newtup);
 
 	/* stale or equal: leave the row as it is, or refuse */
+	idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_STALE_SKIPS);
 	if (st->raise)
 	{
 		idem_guard_counts.stale_rejected++;
-		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_STALE_SKIPS);
 		elevel = ERROR;
 	}
 	else
 	{
 		idem_guard_counts.stale_skipped++;
-		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_STALE_SKIPS);
 		elevel = guard_log_level;
 	}
 
@@ -497,16 +496,15 @@ idem_transition_guard(PG_FUNCTION_ARGS)
 	if (!newnull && idem_statemap_allows(st->map, &st->stt, oldd, newd))
 		return PointerGetDatum(newtup);
 
+	idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_INVALID_TRANSITIONS);
 	if (st->raise)
 	{
 		idem_guard_counts.invalid_rejected++;
-		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_INVALID_TRANSITIONS);
 		elevel = ERROR;
 	}
 	else
 	{
 		idem_guard_counts.invalid_skipped++;
-		idem_stats_count_relation(RelationGetRelid(rel), IDEM_STAT_INVALID_TRANSITIONS);
 		elevel = guard_log_level;
 		if (!message_level_is_interesting(elevel))
 			return PointerGetDatum(NULL);

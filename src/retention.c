@@ -305,30 +305,22 @@ set_upper(Oid relid, TimestampTz upper)
 /*---- sealing ----*/
 
 /*
- * Add what a partition being sealed holds, per scope, to
- * idempotency.scope_history (idempotency.consumers), in the sealing
- * transaction: once sealed, a partition's claims are counted there and no
- * longer live.  A database still at version 1.0 has no such table.
+ * Add what a partition being sealed (name: qualified, quoted) holds, per
+ * scope, to idempotency.scope_history (idempotency.consumers), in the
+ * sealing transaction: once sealed, a partition's claims are counted there
+ * and no longer live.
  */
 static void
-fold_scopes(Oid relid)
+fold_scopes(const char *name)
 {
-	char	   *sql;
-
-	if (!OidIsValid(get_relname_relid("scope_history", idem_schema_oid())))
-		return;
-	sql = psprintf("INSERT INTO idempotency.scope_history AS h"
+	idem_spi_exec(psprintf("INSERT INTO idempotency.scope_history AS h"
 				   " SELECT c.scope, min(c.claimed_at), max(c.claimed_at), count(*)"
 				   " FROM %s c GROUP BY c.scope"
 				   " ON CONFLICT (scope) DO UPDATE SET"
 				   " first_claim_at = least(h.first_claim_at, excluded.first_claim_at),"
 				   " last_claim_at = greatest(h.last_claim_at, excluded.last_claim_at),"
-				   " claims = h.claims + excluded.claims",
-				   quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
-											  get_rel_name(relid)));
-	if (SPI_execute(sql, false, 0) != SPI_OK_INSERT)
-		elog(ERROR, "could not update idempotency.scope_history");
-	pfree(sql);
+				   " claims = h.claims + excluded.claims", name),
+				  0, NULL, NULL, SPI_OK_INSERT);
 }
 
 /*
@@ -372,7 +364,8 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	fold_scopes(p->relid);
+	if (!v10)
+		fold_scopes(name);		/* 1.0 has no scope history either */
 	idem_report_action(r->rep, "seal", name);
 	return true;
 }

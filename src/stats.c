@@ -259,10 +259,9 @@ find_entry(const StatsKey *key)
 	else if (local_last != NULL && memcmp(&local_last->key, key, sizeof(StatsKey)) == 0)
 		return local_last->shared;
 
+	/* NULL (no room even in the overflow rows) is kept too: only a reset makes room */
 	le = hash_search(local_hash, key, HASH_ENTER, &found);
 	if (!found)
-		le->shared = NULL;
-	if (le->shared == NULL)
 		le->shared = shared_entry(key);
 	local_last = le;
 	return le->shared;
@@ -346,8 +345,10 @@ stats_xact_callback(XactEvent event, void *arg)
 		if (e != NULL)
 			pg_atomic_write_u64(&e->maintained_at, (uint64) GetCurrentTimestamp());
 	}
+	/* a prepared round is not recorded (its commit may come from anywhere) */
 	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
-		event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
+		event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT ||
+		event == XACT_EVENT_PREPARE)
 		maintained_pending = false;
 }
 
