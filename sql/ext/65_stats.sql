@@ -4,10 +4,10 @@
 -- The counters live in shared memory when the library is preloaded (see
 -- src/stats.c); without preload the view answers what the tables can tell
 -- and leaves the rest NULL.  Like PostgreSQL's own statistics views these
--- are for monitoring roles: a role granted USAGE on schema idempotency and
--- SELECT on a view reads it whole, without any right on the tables behind
--- (the two functions the views call run as the extension's owner, read
--- only, with search_path pinned).
+-- are for monitoring roles (pg_monitor, see the end of this file): they
+-- read them whole without any right on the tables behind (the two
+-- functions the views call run as the extension's owner, read only, with
+-- search_path pinned).
 --
 -- This file is new in 1.1: the upgrade script from 1.0 includes it whole
 -- (see the Makefile), so it must only create objects (and fill the scope
@@ -165,38 +165,36 @@ CREATE FUNCTION idempotency.stats_rows()
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    preloaded boolean := (SELECT i.preloaded FROM idempotency.stats_info() i);
 BEGIN
-    IF (SELECT i.preloaded FROM idempotency.stats_info() i) THEN
-        -- a dropped table's counters stay in shared memory: not shown
-        RETURN QUERY
-        SELECT * FROM idempotency.stats_counters() c
-        WHERE c.relation IS NULL
-           OR EXISTS (SELECT 1 FROM pg_catalog.pg_class r WHERE r.oid = c.relation)
-        UNION ALL
-        SELECT NULL, t.relation, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL
-        FROM (SELECT DISTINCT g.tgrelid::regclass AS relation
-              FROM pg_catalog.pg_trigger g
-              WHERE g.tgname IN ('idem_guard_version', 'idem_guard_transitions')) t
-        WHERE NOT EXISTS (SELECT 1 FROM idempotency.stats_counters() c
-                          WHERE c.relation = t.relation);
-    ELSE
-        RETURN QUERY
-        SELECT k.scope, NULL::regclass, k.claims, NULL::bigint, NULL::bigint, NULL::bigint,
-               NULL::bigint, NULL::bigint, q.started, q.completed, NULL::bigint,
-               k.last_claim_at, NULL::timestamptz
-        FROM idempotency.consumers k
-        LEFT JOIN (SELECT ('request:' || r.scope) COLLATE "C" AS scope,
-                          count(*) AS started,
-                          count(*) FILTER (WHERE r.status = 'completed') AS completed
-                   FROM idempotency.requests r
-                   GROUP BY r.scope) q ON q.scope = k.scope
-        UNION ALL
-        SELECT DISTINCT NULL, g.tgrelid::regclass, NULL::bigint, NULL::bigint, NULL::bigint,
-               NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint,
-               NULL::bigint, NULL::timestamptz, NULL::timestamptz
-        FROM pg_catalog.pg_trigger g
-        WHERE g.tgname IN ('idem_guard_version', 'idem_guard_transitions');
-    END IF;
+    -- the counters are read once; without preload there are none
+    RETURN QUERY
+    WITH c AS MATERIALIZED (SELECT * FROM idempotency.stats_counters()),
+         g AS (SELECT DISTINCT t.tgrelid::regclass AS relation
+               FROM pg_catalog.pg_trigger t
+               WHERE t.tgfoid IN ('idempotency.version_guard()'::regprocedure,
+                                  'idempotency.transition_guard()'::regprocedure))
+    -- a dropped table's counters stay in shared memory: not shown
+    SELECT * FROM c
+    WHERE c.relation IS NULL
+       OR EXISTS (SELECT 1 FROM pg_catalog.pg_class r WHERE r.oid = c.relation)
+    UNION ALL
+    -- guarded tables nothing was counted for: zeros, or NULL without preload
+    SELECT NULL, g.relation, z, z, z, z, z, z, z, z, z, NULL, NULL
+    FROM g, LATERAL (SELECT CASE WHEN preloaded THEN 0::bigint END AS z) zero
+    WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.relation = g.relation)
+    UNION ALL
+    -- without preload: the scopes the tables know
+    SELECT k.scope, NULL, k.claims, NULL, NULL, NULL, NULL, NULL, q.started, q.completed, NULL,
+           k.last_claim_at, NULL
+    FROM idempotency.consumers k
+    LEFT JOIN (SELECT ('request:' || r.scope) COLLATE "C" AS scope,
+                      count(*) AS started,
+                      count(*) FILTER (WHERE r.status = 'completed') AS completed
+               FROM idempotency.requests r
+               GROUP BY r.scope) q ON q.scope = k.scope
+    WHERE NOT preloaded;
 END
 $$;
 COMMENT ON FUNCTION idempotency.stats_rows() IS
@@ -229,3 +227,14 @@ FULL JOIN (SELECT ('inbox:' || b.source) COLLATE "C" AS scope, b.*
 CROSS JOIN idempotency.stats_info() n;
 COMMENT ON VIEW idempotency.stats IS
     'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog';
+
+-- Who reads: members of pg_monitor (with USAGE on schema idempotency), or
+-- roles granted the same rights.  The functions stay closed to PUBLIC:
+-- stats_rows() and live_scopes() run as the owner, and calling them is
+-- reading the views.
+REVOKE ALL ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),
+                       idempotency.stats_rows(), idempotency.live_scopes() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),
+                          idempotency.stats_rows(), idempotency.live_scopes() TO pg_monitor;
+GRANT SELECT ON idempotency.stats, idempotency.consumers, idempotency.outbox_backlog,
+                idempotency.inbox_backlog, idempotency.partitions TO pg_monitor;

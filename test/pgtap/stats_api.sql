@@ -9,7 +9,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
-SELECT plan(20);
+SELECT plan(22);
 
 -- objects and columns, in the order SPEC §6 writes them
 SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
@@ -38,6 +38,12 @@ SELECT has_function('idem_stats_reset', ARRAY[]::text[], 'idem_stats_reset() exi
 SELECT function_returns('idem_stats_reset', ARRAY[]::text[], 'void', 'idem_stats_reset() returns void');
 SELECT ok(NOT has_function_privilege('public', 'idem_stats_reset()', 'EXECUTE'),
           'PUBLIC may not reset the counters');
+SELECT ok(NOT has_function_privilege('public', 'idempotency.stats_rows()', 'EXECUTE')
+          AND NOT has_function_privilege('public', 'idempotency.live_scopes()', 'EXECUTE'),
+          'PUBLIC may not call the functions behind the views');
+SELECT ok(has_table_privilege('pg_monitor', 'idempotency.stats', 'SELECT')
+          AND has_function_privilege('pg_monitor', 'idempotency.stats_rows()', 'EXECUTE'),
+          'pg_monitor reads the views');
 
 -- the functions behind the views run as the owner, read only, search_path pinned
 SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p

@@ -33,8 +33,7 @@ CREATE EXTENSION idempotency;
 -- the monitoring role of doc/monitoring.md
 CREATE ROLE idem_monitor LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO idem_monitor;
-GRANT SELECT ON idempotency.stats, idempotency.consumers, idempotency.partitions,
-                idempotency.outbox_backlog, idempotency.inbox_backlog TO idem_monitor;
+GRANT pg_monitor TO idem_monitor;
 -- activity
 SELECT idem_claim('k' || g, 'billing') FROM generate_series(1, 5) g;
 SELECT idem_claim('k1', 'billing'), idem_claim('k2', 'billing');
@@ -85,8 +84,8 @@ sub metric
 
 is(metric('idempotency_scope_claims', ['scope="billing"']), 5, 'scope billing: 5 claims');
 is(metric('idempotency_scope_duplicates', ['scope="billing"']), 2, 'scope billing: 2 duplicates');
-cmp_ok(metric('idempotency_scope_seconds_without_duplicate', ['scope="billing"']),
-	'<', 600, 'scope billing: a recent duplicate');
+my $v = metric('idempotency_scope_seconds_without_duplicate', ['scope="billing"']);
+ok(defined $v && $v < 600, 'scope billing: a recent duplicate');
 is(metric('idempotency_guard_stale_skips', ['relation="acct"']), 1, 'acct: 1 stale skip');
 is(metric('idempotency_outbox_pending', ['aggregate_type="order"']), 2, 'outbox order: 2 pending');
 is(metric('idempotency_outbox_dead', ['aggregate_type="order"']), 0, 'outbox order: none dead');
@@ -94,10 +93,10 @@ is(metric('idempotency_inbox_pending', ['source="hooks"']), 3, 'inbox hooks: 3 p
 is(metric('idempotency_inbox_dead', ['source="hooks"']), 0, 'inbox hooks: none dead');
 is(metric('idempotency_partitions_partitions', [ 'store="claims"', 'state="current"' ]),
 	1, 'claims: one current partition');
-cmp_ok(metric('idempotency_maintenance_seconds_ahead', ['store="claims"']),
-	'>', 86400, 'claims: premade partitions reach more than a day ahead');
-cmp_ok(metric('idempotency_maintenance_round_seconds_since', []),
-	'<', 600, 'the last maintenance round is recent');
+$v = metric('idempotency_maintenance_seconds_ahead', ['store="claims"']);
+ok(defined $v && $v > 86400, 'claims: premade partitions reach more than a day ahead');
+$v = metric('idempotency_maintenance_round_seconds_since', []);
+ok(defined $v && $v < 600, 'the last maintenance round is recent');
 ok(defined metric('idempotency_consumer_first_claim', ['scope="billing"']),
 	'consumers: billing has a first claim');
 unlike($err, qr/level=(error|warn)/i, 'the exporter logged no error or warning')
