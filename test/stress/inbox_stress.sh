@@ -82,7 +82,6 @@ CREATE TABLE stress_claims (worker int NOT NULL, ord bigint NOT NULL, id uuid NO
                             message_id text NOT NULL, lease_token uuid NOT NULL,
                             lease_until timestamptz NOT NULL, attempts int NOT NULL,
                             at timestamptz NOT NULL DEFAULT stress_now());
--- what each done returned
 -- what each done returned, and the failed batches (marked -1)
 CREATE TABLE stress_done (worker int NOT NULL, lease_token uuid NOT NULL, sent int NOT NULL, marked int NOT NULL,
                           at timestamptz NOT NULL DEFAULT stress_now());
@@ -215,6 +214,9 @@ echo "claims: $claims; messages handed out more than once: $fails; worker 3's do
 
 [[ $stored -ge 500 ]] || fail "only $stored messages stored: too few to mean anything"
 [[ $dups -gt 0 ]] || fail "no duplicate was received"
+processed=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$tmp/receive.out")
+[[ ${processed:-0} -gt $receives ]] ||
+    fail "no receive rolled back ($processed transactions, $receives committed)"
 [[ $parts -ge 3 ]] || fail "messages landed in $parts partition(s), expected several (1-second partitions)"
 [[ $fails -gt 0 ]] || fail "no message was handed out twice (failures and late workers should cause that)"
 [[ $late -gt 0 ]] || echo "note: worker 3 was never late past its lease in this run"

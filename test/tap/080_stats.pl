@@ -23,9 +23,8 @@ $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
 sub stat_row
 {
-	my ($node, $where, $cols, $db) = @_;
-	return $node->safe_psql($db // 'postgres',
-		"SELECT $cols FROM idempotency.stats WHERE $where");
+	my ($node, $where, $cols) = @_;
+	return $node->safe_psql('postgres', "SELECT $cols FROM idempotency.stats WHERE $where");
 }
 
 is( $node->safe_psql(
@@ -216,10 +215,10 @@ is( $standby->safe_psql(
 is( $standby->safe_psql('postgres', 'SELECT sum(claims) FROM idempotency.consumers'),
 	$node->safe_psql('postgres', 'SELECT sum(claims) FROM idempotency.consumers'),
 	'standby: consumers as on the primary');
-is( $standby->safe_psql(
-		'postgres',
-		"SELECT claims FROM idempotency.stats WHERE relation = 'acct'::regclass"),
-	'0', 'standby: its own counters (none; it takes no claims)');
+is( $standby->safe_psql('postgres', 'SELECT preloaded, scopes_tracked FROM idempotency.stats_info()'),
+	't|0', 'standby: its own counters, none tracked (it takes no claims)');
+cmp_ok($node->safe_psql('postgres', 'SELECT scopes_tracked FROM idempotency.stats_info()'),
+	'>', 0, 'while the primary tracks its scopes');
 $standby->stop;
 
 # ---- 7. restart: counters start again at zero ----
