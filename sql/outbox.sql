@@ -40,8 +40,10 @@ SELECT pg_temp.try($$SELECT idem_outbox_emit_many('order', ARRAY['a', 'b'], ARRA
 SELECT pg_temp.try($$SELECT idem_outbox_emit_many('order', ARRAY['a', NULL], ARRAY['x', 'y'], ARRAY['{}', '{}']::jsonb[])$$);
 SELECT pg_temp.try($$SELECT idem_outbox_claim(0)$$);
 SELECT pg_temp.try($$SELECT idem_outbox_claim(10, '-1 second')$$);
+SELECT pg_temp.try($$SELECT idem_outbox_claim(10, '300000 years')$$);
 SELECT pg_temp.try($$SELECT idem_outbox_ack(NULL)$$);
 SELECT pg_temp.try($$SELECT idem_outbox_nack(gen_random_uuid(), 'x', '-1 second')$$);
+SELECT pg_temp.try($$SELECT idem_outbox_nack(gen_random_uuid(), 'x', '2147483647 days')$$);
 SELECT pg_temp.try($$SELECT idem_outbox_extend(gen_random_uuid(), '0 seconds')$$);
 SELECT pg_temp.try($$SELECT idem_outbox_redrive(NULL)$$);
 SELECT count(*) AS events_after_bad_input FROM idempotency.outbox_events;

@@ -145,6 +145,10 @@ SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', lease => NULL)$$
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', lease => '0 seconds')$$);
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', lease => '-1 second')$$);
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', wait => '-1 second')$$);
+-- absurd intervals are refused, not overflowed into an out-of-range lease
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', lease => '300000 years')$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', lease => '2147483647 months -2147483647 days')$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', wait => '2147483647 days')$$);
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', wait => NULL)$$);
 SELECT pg_temp.try($$SELECT idem_request_checkpoint('k-2', 'payments', NULL, 'x')$$);
 SELECT pg_temp.try($$SELECT idem_request_checkpoint('k-2', 'payments', 0, 'x')$$);
@@ -152,6 +156,7 @@ SELECT pg_temp.try($$SELECT idem_request_checkpoint('k-2', 'payments', 1, NULL)$
 SELECT pg_temp.try($$SELECT idem_request_checkpoint('k-2', 'payments', 1, '')$$);
 SELECT pg_temp.try($$SELECT idem_request_fence('k-2', NULL, 1)$$);
 SELECT pg_temp.try($$SELECT idem_request_extend('k-2', 'payments', 1, '0 seconds')$$);
+SELECT pg_temp.try($$SELECT idem_request_extend('k-2', 'payments', 1, '200 years')$$);
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments', '{}', -1)$$);
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments', '{}', 1, 99)$$);
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments', '{}', 1, 600)$$);

@@ -265,7 +265,6 @@ extern char *idem_check_name(text *t, const char *what, int maxbytes);
 extern char *idem_name_arg(FunctionCallInfo fcinfo, int argno, const char *what, int maxbytes);
 extern Jsonb *idem_check_object(Jsonb *j, const char *what);
 extern Jsonb *idem_empty_object(void);
-extern int64 idem_interval_usecs(Interval *iv);
 extern int64 idem_positive_interval_arg(FunctionCallInfo fcinfo, int argno, const char *what);
 extern int64 idem_retry_after_arg(FunctionCallInfo fcinfo, int argno, const char *what);
 extern int32 idem_batch_arg(FunctionCallInfo fcinfo, int argno, const char *what, int32 max);

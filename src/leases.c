@@ -258,10 +258,24 @@ idem_empty_object(void)
 	return DatumGetJsonbP(DirectFunctionCall1(jsonb_in, CStringGetDatum("{}")));
 }
 
-/* An interval as microseconds, months counting as 30 days. */
-int64
-idem_interval_usecs(Interval *iv)
+/*
+ * An interval argument as microseconds, months counting as 30 days; more
+ * than 100 years either way is refused, so that it cannot overflow, nor
+ * make a timestamp out of range when added to now.
+ */
+static int64
+interval_usecs(Interval *iv, const char *what)
 {
+	int64		secs = IDEM_MAX_RETENTION_SECS;
+
+	/* each field bounded on its own, so that no sum of them overflows */
+	if (iv->time / USECS_PER_SEC > secs || iv->time / USECS_PER_SEC < -secs ||
+		Abs((int64) iv->day) > secs / SECS_PER_DAY ||
+		Abs((int64) iv->month) > secs / SECS_PER_DAY / DAYS_PER_MONTH ||
+		Abs(idem_interval_seconds(iv)) > secs)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not exceed %d years", what, IDEM_MAX_RETENTION_YEARS)));
 	return iv->time + ((int64) iv->month * DAYS_PER_MONTH + iv->day) * USECS_PER_DAY;
 }
 
@@ -272,7 +286,7 @@ idem_positive_interval_arg(FunctionCallInfo fcinfo, int argno, const char *what)
 
 	if (PG_ARGISNULL(argno))
 		idem_null_argument(what);
-	usecs = idem_interval_usecs(PG_GETARG_INTERVAL_P(argno));
+	usecs = interval_usecs(PG_GETARG_INTERVAL_P(argno), what);
 	if (usecs <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -288,7 +302,7 @@ idem_retry_after_arg(FunctionCallInfo fcinfo, int argno, const char *what)
 
 	if (PG_ARGISNULL(argno))
 		return -1;
-	usecs = idem_interval_usecs(PG_GETARG_INTERVAL_P(argno));
+	usecs = interval_usecs(PG_GETARG_INTERVAL_P(argno), what);
 	if (usecs < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
