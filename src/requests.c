@@ -390,6 +390,22 @@ lock_key(RequestKey *rk)
 }
 
 /*
+ * Make the request's row, attempt 1, and fill out as begin() returns it.
+ * The lease runs from now: after any wait for the claim or the key lock.
+ */
+static void
+begin_fresh(RequestKey *rk, bytea *digest, int64 lease, RequestRow *out)
+{
+	TimestampTz now = idem_now();
+
+	insert_row(rk, digest, now, now + lease);
+	out->status = REQ_STARTED;
+	out->attempt = 1;
+	out->recovery_point_null = out->state_null = true;
+	out->response_null = out->response_status_null = true;
+}
+
+/*
  * The outcome of begin(): fills row with what it returns.  The caller is
  * connected to SPI.
  */
@@ -408,14 +424,9 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 		idem_payload_digest(payload, (uint8 *) VARDATA(digest));
 	}
 
-	now = idem_now();
 	if (idem_claim_key(rk->claim_scope, rk->key, NULL, "idem_request_begin()"))
 	{
-		insert_row(rk, digest, now, now + lease);
-		out->status = REQ_STARTED;
-		out->attempt = 1;
-		out->recovery_point_null = out->state_null = true;
-		out->response_null = out->response_status_null = true;
+		begin_fresh(rk, digest, lease, out);
 		return;
 	}
 
@@ -434,11 +445,7 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 			find_row(ST_FIND, rk, &row);
 			if (row.status == REQ_NONE)
 			{
-				insert_row(rk, digest, now, now + lease);
-				out->status = REQ_STARTED;
-				out->attempt = 1;
-				out->recovery_point_null = out->state_null = true;
-				out->response_null = out->response_status_null = true;
+				begin_fresh(rk, digest, lease, out);
 				return;
 			}
 		}
