@@ -21,9 +21,10 @@ bench_claims_setup
 echo "claims bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new dup; do
     base=() cand=()
+    plain() { bench_tps "claims_${case}_plain.sql"; }
+    idem() { bench_tps "claims_${case}_idem.sql"; }
     for r in $(seq "$ROUNDS"); do
-        b=$(bench_tps "claims_${case}_plain.sql")
-        c=$(bench_tps "claims_${case}_idem.sql")
+        bench_pair "$r" plain idem
         base+=("$b") cand+=("$c")
         printf '  %s keys round %d: INSERT ON CONFLICT %.0f tps, idem_claim %.0f tps\n' "$case" "$r" "$b" "$c"
     done

@@ -58,14 +58,10 @@ for case in $CASES; do
     # the colon in a literal 'inbox:...' for one)
     scope=inbox:plain
     [[ $case == new ]] && scope=inbox:bench
+    plain() { bench_tps "inbox_${case}_plain.sql" -D scope="$scope"; }
+    idem() { bench_tps "inbox_${case}_idem.sql"; }
     for r in $(seq "$ROUNDS"); do
-        if (( r % 2 )); then
-            b=$(bench_tps "inbox_${case}_plain.sql" -D scope="$scope")
-            c=$(bench_tps "inbox_${case}_idem.sql")
-        else
-            c=$(bench_tps "inbox_${case}_idem.sql")
-            b=$(bench_tps "inbox_${case}_plain.sql" -D scope="$scope")
-        fi
+        bench_pair "$r" plain idem
         base+=("$b") cand+=("$c")
         printf '  %s round %d: idem_claim + INSERT %.0f tps, idem_inbox_receive %.0f tps\n' "$case" "$r" "$b" "$c"
     done

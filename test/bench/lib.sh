@@ -12,6 +12,12 @@
 # bench_ratio LABEL CAND_NAME CAND_TPS... -- BASE_NAME BASE_TPS...
 #                         prints "LABEL: CAND x tps vs BASE y tps = r.rrx" from
 #                         the medians (test/bench/run collects these lines)
+# bench_pair ROUND BASE_FN CAND_FN
+#                         one round of a pair: runs the shell functions
+#                         BASE_FN and CAND_FN (each prints a tps), the
+#                         baseline first in odd rounds and second in even
+#                         ones (going first or second costs a few %);
+#                         sets b and c
 # bench_claims_setup      the claims benches' tables: bench_plain, the
 #                         hand-written (scope, key) baseline, and keys
 #                         1..10000 claimed and inserted beforehand in both
@@ -72,6 +78,16 @@ bench_restart() {
         echo "bench_restart: the server did not restart" >&2
         return 1
     }
+}
+
+bench_pair() {
+    if (($1 % 2)); then
+        b=$($2)
+        c=$($3)
+    else
+        c=$($3)
+        b=$($2)
+    fi
 }
 
 bench_claims_setup() {

@@ -58,20 +58,15 @@ per_call() { awk -v c="$CLIENTS" -v t="$(bench_median "$@")" 'BEGIN { printf "%.
 echo "plproxy bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new dup guard; do
     base=() cand=()
+    base_run() { PGDATABASE=$bdb bench_tps "$bscript"; }
+    cand_run() { PGDATABASE=$cdb bench_tps "$cscript"; }
     for r in $(seq "$ROUNDS"); do
-        # the baseline runs first in odd rounds, second in even ones
         if [[ $case == guard ]]; then
             bdb=bench_direct bscript=plproxy_claim_plain.sql cdb=bench_direct cscript=plproxy_claim_routed.sql
         else
             bdb=bench_direct bscript=plproxy_$case.sql cdb=bench_router cscript=plproxy_$case.sql
         fi
-        if ((r % 2)); then
-            b=$(PGDATABASE=$bdb bench_tps "$bscript")
-            c=$(PGDATABASE=$cdb bench_tps "$cscript")
-        else
-            c=$(PGDATABASE=$cdb bench_tps "$cscript")
-            b=$(PGDATABASE=$bdb bench_tps "$bscript")
-        fi
+        bench_pair "$r" base_run cand_run
         if [[ $case == guard ]]; then
             printf '  %s round %d: idem_claim %.0f tps, idem_claim_routed %.0f tps\n' "$case" "$r" "$b" "$c"
         else

@@ -49,9 +49,10 @@ SQL
 echo "requests bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new replay; do
     base=() cand=()
+    plain() { bench_tps "requests_${case}_plain.sql"; }
+    idem() { bench_tps "requests_${case}_idem.sql"; }
     for r in $(seq "$ROUNDS"); do
-        b=$(bench_tps "requests_${case}_plain.sql")
-        c=$(bench_tps "requests_${case}_idem.sql")
+        bench_pair "$r" plain idem
         base+=("$b") cand+=("$c")
         printf '  %s round %d: hand-written %.0f tps, idem_request_* %.0f tps\n' "$case" "$r" "$b" "$c"
     done

@@ -32,19 +32,15 @@ bench_claims_setup
 echo "stats bench: $ROUNDS interleaved rounds of ${SECS}s per setting and case, $CLIENTS clients, -M prepared, synchronous_commit=off, library preloaded"
 for case in new dup; do
     on=() off=() base=()
+    stats_off() { PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql"; }
+    stats_on() { PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql"; }
     for r in $(seq "$ROUNDS"); do
-        b=$(bench_tps "claims_${case}_plain.sql")
+        base+=("$(bench_tps "claims_${case}_plain.sql")")
         # which setting runs first alternates, so the order costs neither
-        if ((r % 2)); then
-            o=$(PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql")
-            n=$(PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql")
-        else
-            n=$(PGOPTIONS="-c idempotency.track_stats=on" bench_tps "claims_${case}_idem.sql")
-            o=$(PGOPTIONS="-c idempotency.track_stats=off" bench_tps "claims_${case}_idem.sql")
-        fi
-        base+=("$b") off+=("$o") on+=("$n")
+        bench_pair "$r" stats_off stats_on
+        off+=("$b") on+=("$c")
         printf '  %s keys round %d: INSERT ON CONFLICT %.0f tps, idem_claim stats off %.0f tps, on %.0f tps\n' \
-            "$case" "$r" "$b" "$o" "$n"
+            "$case" "$r" "${base[-1]}" "$b" "$c"
     done
     label=$([[ $case == new ]] && echo "new keys" || echo "duplicate keys")
     bench_ratio "stats cost, $label" "idem_claim stats on" "${on[@]}" -- "stats off" "${off[@]}"
