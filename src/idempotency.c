@@ -83,7 +83,11 @@ idem_pin_search_path(void)
 
 /*
  * The plan of one of a subsystem's fixed statements, prepared on first use
- * with search_path pinned and kept for the backend's life in *slot.
+ * with search_path pinned and kept for the backend's life in *slot.  The
+ * plan cache parses it again if it is run under another search_path (the
+ * caller's), which is why the statements name every table with its schema;
+ * callers that run as someone else (maintenance) or that must not see the
+ * caller's operators pin search_path around the run as well.
  * Generic plans: each statement is an index probe or an ordered index scan
  * whatever the arguments, and planning each call would cost more than the
  * work.  The caller is connected to SPI.
