@@ -37,7 +37,8 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '')
 
 -- Tells every backend to drop its cached partition set.  Internal: not
 -- executable by PUBLIC (triggers fire regardless), and it refuses to serve
--- any table but these two.  ENABLE ALWAYS: the caches must hear of changes
+-- any table outside schema idempotency (it serves the settings and the
+-- partition registries of every store).  ENABLE ALWAYS: the caches must hear of changes
 -- made with session_replication_role = replica too.
 CREATE FUNCTION idempotency.partition_cache_invalidate() RETURNS trigger
     AS 'MODULE_PATHNAME', 'idem_partition_cache_invalidate' LANGUAGE C;

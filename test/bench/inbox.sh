@@ -10,8 +10,8 @@
 # Cases: new message ids (drawn from a huge range), duplicates (ids
 # 1..10000, received / claimed and stored beforehand), and new messages with
 # an ordering key (one of 1000; the baseline upserts a per-key counter like
-# receive does).  Rounds are interleaved (baseline, candidate, ...) in one
-# run; pgbench -M prepared, synchronous_commit = off (the commit flush would
+# receive does).  Rounds are interleaved in one run, the baseline first in
+# odd rounds and second in even ones (bench_pair); pgbench -M prepared, synchronous_commit = off (the commit flush would
 # hide CPU cost).  Prints per-round tps, then per case the median tps of
 # both and the ratio candidate / baseline (target >= 1.0x).
 #
