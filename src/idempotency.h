@@ -53,6 +53,34 @@ extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 extern int	idem_pin_search_path(void);
 
+/* ownership.c: which relations are ours, and acting as the extension's owner */
+typedef struct IdemAsOwner
+{
+	Oid			save_userid;
+	int			save_sec_context;
+	int			nestlevel;
+} IdemAsOwner;
+
+extern Oid	idem_extension_owner(void);
+extern const char *idem_relation_distrust(Oid relid, Oid parent);
+extern void idem_become_owner(IdemAsOwner *as);
+extern void idem_unbecome_owner(IdemAsOwner *as);
+
+/* scopes.c: claims per scope of a partition, counted without the planner */
+#define IDEM_SCOPE_COUNT_KEY_BYTES 128	/* longest scope a count keeps, + 1 */
+
+typedef struct IdemScopeCount
+{
+	char		scope[IDEM_SCOPE_COUNT_KEY_BYTES];	/* the hash key */
+	TimestampTz first_claim_at;
+	TimestampTz last_claim_at;
+	int64		claims;
+} IdemScopeCount;
+
+struct HTAB;
+extern struct HTAB *idem_scope_counts_create(void);
+extern void idem_scope_counts_add(struct HTAB *counts, Relation rel, Snapshot snap);
+
 /* A fixed SQL statement of a subsystem, prepared once per backend. */
 typedef struct IdemStatement
 {

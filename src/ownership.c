@@ -1,0 +1,210 @@
+/*-------------------------------------------------------------------------
+ *
+ * ownership.c
+ *	  Which relations are ours, and acting as the extension's owner.
+ *
+ * Maintenance (the worker, idem_maintain(), idem_configure()) and the
+ * SECURITY DEFINER functions behind the monitoring views run with more
+ * rights than the roles whose relations sit next to ours.  Planning a
+ * query over a relation, or building an index entry for it, can run code
+ * its owner chose (index expressions and predicates are folded when the
+ * relcache builds them; rules turn a table into a view; policies and
+ * triggers are code).  So nothing with more rights touches a relation
+ * unless idem_relation_distrust() found it to be what we made: a plain
+ * table in schema idempotency, the child of the parent we expect, owned
+ * by the extension's owner, with no rules, triggers or row security, and
+ * indexes on plain columns only.  Anything else is refused and reported,
+ * never acted on.
+ *
+ * A maintenance round runs as the extension's owner, whoever called it,
+ * in a security-restricted operation with a GUC nest level of its own
+ * (idem_become_owner()): partitions it makes are the owner's, so no lesser
+ * role can later add code to them, and a caller's settings (search_path,
+ * default_tablespace, ...) do not reach the DDL it runs.
+ *
+ * Locking rules: none taken here beyond catalog reads; callers hold
+ * whatever lock makes the answer stay true while they act on it (a seal
+ * its ShareLock, a drop its AccessExclusiveLock).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idempotency.h"
+
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "catalog/indexing.h"
+#include "catalog/pg_class.h"
+#include "catalog/pg_extension.h"
+#include "catalog/pg_index.h"
+#include "catalog/pg_inherits.h"
+#include "commands/extension.h"
+#include "miscadmin.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/guc.h"
+#include "utils/lsyscache.h"
+#include "utils/rel.h"
+#include "utils/syscache.h"
+
+PG_FUNCTION_INFO_V1(idem_relation_distrust_sql);
+
+/* The role that owns extension "idempotency" (pg_extension.extowner). */
+Oid
+idem_extension_owner(void)
+{
+	Oid			extid = get_extension_oid("idempotency", false);
+	Relation	rel = table_open(ExtensionRelationId, AccessShareLock);
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	Oid			owner = InvalidOid;
+
+	ScanKeyInit(&key, Anum_pg_extension_oid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(extid));
+	scan = systable_beginscan(rel, ExtensionOidIndexId, true, NULL, 1, &key);
+	tup = systable_getnext(scan);
+	if (HeapTupleIsValid(tup))
+		owner = ((Form_pg_extension) GETSTRUCT(tup))->extowner;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	if (!OidIsValid(owner))
+		elog(ERROR, "extension \"idempotency\" has no owner");
+	return owner;
+}
+
+/* Is relid a direct child (inheritance or partition) of parent? */
+static bool
+is_child_of(Oid relid, Oid parent)
+{
+	Relation	rel = table_open(InheritsRelationId, AccessShareLock);
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	bool		found = false;
+
+	ScanKeyInit(&key, Anum_pg_inherits_inhrelid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(relid));
+	scan = systable_beginscan(rel, InheritsRelidSeqnoIndexId, true, NULL, 1, &key);
+	while (!found && HeapTupleIsValid(tup = systable_getnext(scan)))
+		found = ((Form_pg_inherits) GETSTRUCT(tup))->inhparent == parent;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return found;
+}
+
+/* The first index of relid on an expression or with a predicate, or InvalidOid. */
+static Oid
+code_bearing_index(Oid relid)
+{
+	Relation	rel = table_open(IndexRelationId, AccessShareLock);
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	Oid			found = InvalidOid;
+
+	ScanKeyInit(&key, Anum_pg_index_indrelid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(relid));
+	scan = systable_beginscan(rel, IndexIndrelidIndexId, true, NULL, 1, &key);
+	while (!OidIsValid(found) && HeapTupleIsValid(tup = systable_getnext(scan)))
+	{
+		if (!heap_attisnull(tup, Anum_pg_index_indexprs, NULL) ||
+			!heap_attisnull(tup, Anum_pg_index_indpred, NULL))
+			found = ((Form_pg_index) GETSTRUCT(tup))->indexrelid;
+	}
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return found;
+}
+
+/*
+ * NULL if relid is a partition we made of parent (see the banner); else
+ * why not, as a phrase for a report ("owned by role x", ...).  Reads only
+ * the catalogs: nothing of the relation itself is built or run.
+ */
+const char *
+idem_relation_distrust(Oid relid, Oid parent)
+{
+	HeapTuple	tup = SearchSysCache1(RELOID, ObjectIdGetDatum(relid));
+	Form_pg_class form;
+	const char *why = NULL;
+	Oid			index;
+
+	if (!HeapTupleIsValid(tup))
+		return "does not exist";
+	form = (Form_pg_class) GETSTRUCT(tup);
+	if (form->relkind != RELKIND_RELATION)
+		why = "not a plain table";
+	else if (form->relnamespace != idem_schema_oid())
+		why = psprintf("not in schema %s", IDEM_SCHEMA);
+	else if (form->relowner != idem_extension_owner())
+	{
+		char	   *owner = GetUserNameFromId(form->relowner, true);
+
+		why = psprintf("owned by role %s, not by the extension's owner",
+					   owner != NULL ? quote_identifier(owner) : "?");
+	}
+	else if (form->relhasrules)
+		why = "has rules";
+	else if (form->relhastriggers)
+		why = "has triggers";
+	else if (form->relrowsecurity)
+		why = "has row security";
+	ReleaseSysCache(tup);
+	if (why != NULL)
+		return why;
+	if (!is_child_of(relid, parent))
+		return psprintf("not a partition of %s.%s", IDEM_SCHEMA,
+						quote_identifier(get_rel_name(parent) ? get_rel_name(parent) : "?"));
+	index = code_bearing_index(relid);
+	if (OidIsValid(index))
+		return psprintf("index %s is on an expression or partial",
+						quote_identifier(get_rel_name(index) ? get_rel_name(index) : "?"));
+	return NULL;
+}
+
+/*
+ * idempotency.relation_distrust(rel regclass, parent regclass) returns
+ * text: idem_relation_distrust() for the SECURITY DEFINER functions in
+ * SQL, which must not read a relation that is not ours.
+ */
+Datum
+idem_relation_distrust_sql(PG_FUNCTION_ARGS)
+{
+	const char *why;
+
+	if (PG_ARGISNULL(0) || PG_ARGISNULL(1))
+		PG_RETURN_TEXT_P(cstring_to_text("is NULL"));
+	why = idem_relation_distrust(PG_GETARG_OID(0), PG_GETARG_OID(1));
+	if (why == NULL)
+		PG_RETURN_NULL();
+	PG_RETURN_TEXT_P(cstring_to_text(why));
+}
+
+/*
+ * Act as the extension's owner, in a security-restricted operation, with
+ * search_path pinned and the settings that shape DDL at their defaults, in
+ * a GUC nest level of its own.  idem_unbecome_owner(&as) undoes it; an
+ * error undoes it too (transaction and subtransaction abort restore the
+ * user and the GUCs).
+ */
+void
+idem_become_owner(IdemAsOwner *as)
+{
+	GetUserIdAndSecContext(&as->save_userid, &as->save_sec_context);
+	SetUserIdAndSecContext(idem_extension_owner(),
+						   as->save_sec_context | SECURITY_RESTRICTED_OPERATION);
+	as->nestlevel = idem_pin_search_path();
+	(void) set_config_option("default_tablespace", "", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("default_table_access_method", "heap", PGC_USERSET,
+							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+}
+
+void
+idem_unbecome_owner(IdemAsOwner *as)
+{
+	AtEOXact_GUC(true, as->nestlevel);
+	SetUserIdAndSecContext(as->save_userid, as->save_sec_context);
+}
