@@ -63,6 +63,7 @@ typedef struct IdemAsOwner
 
 extern Oid	idem_extension_owner(void);
 extern const char *idem_relation_distrust(Oid relid, Oid parent);
+extern void idem_check_members_owned(void);
 extern void idem_become_owner(IdemAsOwner *as);
 extern void idem_unbecome_owner(IdemAsOwner *as);
 
@@ -235,6 +236,14 @@ extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern void idem_filters_init(void);
 
 /*---- retention.c: maintenance, and what store.c shares of it ----*/
+
+/*
+ * lock_timeout of a maintenance round: its DDL waits at most this long for
+ * a lock (any role that may LOCK a parent can hold one), then the action is
+ * reported as "skip ... (in use)" and the round goes on.
+ */
+#define IDEM_MAINTENANCE_LOCK_TIMEOUT_MS	1000
+
 extern int	idem_maintain_round(int elevel);
 
 /* Where a maintenance round reports its actions: rows, or the log. */
@@ -251,6 +260,8 @@ typedef bool (*IdemGuardedAction) (void *arg);
 extern void idem_report_action(MaintainReport *rep, const char *action, const char *object);
 extern bool idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
 							 IdemGuardedAction fn, void *arg);
+extern bool idem_partition_trusted(MaintainReport *rep, const char *verb, Oid relid, Oid parent,
+								   const char *name);
 extern void idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected);
 extern void idem_exec_ddl_as_data(const char *sql);
 extern void idem_forget_missing(MaintainReport *rep, const char *registry);

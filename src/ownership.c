@@ -34,7 +34,9 @@
 #include "access/htup_details.h"
 #include "access/table.h"
 #include "catalog/indexing.h"
+#include "catalog/dependency.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_depend.h"
 #include "catalog/pg_extension.h"
 #include "catalog/pg_index.h"
 #include "catalog/pg_inherits.h"
@@ -180,6 +182,57 @@ idem_relation_distrust_sql(PG_FUNCTION_ARGS)
 	if (why == NULL)
 		PG_RETURN_NULL();
 	PG_RETURN_TEXT_P(cstring_to_text(why));
+}
+
+/*
+ * Error out unless every table and view of the extension is owned by the
+ * extension's owner: a round acting as that owner writes them, and a
+ * trigger or rule on one of them would run as the owner too.
+ */
+void
+idem_check_members_owned(void)
+{
+	Oid			extid = get_extension_oid("idempotency", false);
+	Oid			owner = idem_extension_owner();
+	Relation	rel = table_open(DependRelationId, AccessShareLock);
+	ScanKeyData key[2];
+	SysScanDesc scan;
+	HeapTuple	tup;
+
+	ScanKeyInit(&key[0], Anum_pg_depend_refclassid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(ExtensionRelationId));
+	ScanKeyInit(&key[1], Anum_pg_depend_refobjid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(extid));
+	scan = systable_beginscan(rel, DependReferenceIndexId, true, NULL, 2, key);
+	while (HeapTupleIsValid(tup = systable_getnext(scan)))
+	{
+		Form_pg_depend dep = (Form_pg_depend) GETSTRUCT(tup);
+		HeapTuple	ctup;
+		Oid			relowner;
+
+		if (dep->deptype != DEPENDENCY_EXTENSION || dep->classid != RelationRelationId)
+			continue;
+		ctup = SearchSysCache1(RELOID, ObjectIdGetDatum(dep->objid));
+		if (!HeapTupleIsValid(ctup))
+			continue;
+		relowner = ((Form_pg_class) GETSTRUCT(ctup))->relowner;
+		ReleaseSysCache(ctup);
+		if (relowner != owner)
+		{
+			char	   *relname = get_rel_name(dep->objid);
+			char	   *who = GetUserNameFromId(relowner, true);
+
+			ereport(ERROR,
+					(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+					 errmsg("relation %s.%s is not owned by the owner of extension \"idempotency\"",
+							IDEM_SCHEMA, quote_identifier(relname ? relname : "?")),
+					 errdetail("It is owned by role %s; maintenance acts as the extension's owner and does not write relations another role controls.",
+							   who ? quote_identifier(who) : "?"),
+					 errhint("Give it back with ALTER TABLE ... OWNER TO the extension's owner, and grant EXECUTE on idem_maintain() to the role that maintains instead.")));
+		}
+	}
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
 }
 
 /*

@@ -37,6 +37,16 @@
  *	  instead of dropping them outright, so a claim that a stale claimer put
  *	  into one is never lost.
  *
+ * Who acts: a round runs as the extension's owner in a security-restricted
+ * operation, whoever calls it (the worker, a role granted EXECUTE on
+ * idem_maintain()), so the partitions it makes are the owner's; it acts
+ * only on partitions that are ours (ownership.c: owner, kind, parent,
+ * plain-column indexes) and reports any other as "skip ... (not ours:
+ * ...)", reading nothing of it.  Seal and rebuild read a partition by
+ * heap scans only (filters.c, scopes.c): no query is planned over it.
+ * Its DDL waits at most IDEM_MAINTENANCE_LOCK_TIMEOUT_MS for a lock, then
+ * the action is reported as "skip ... (in use)" and the round goes on.
+ *
  * Claims never fail for want of a partition: when maintenance lags and no
  * partition covers the current time, claims go into the newest partition
  * (idem_target_partition()), and the next round extends that same
@@ -70,19 +80,6 @@
 
 PG_FUNCTION_INFO_V1(idem_configure);
 PG_FUNCTION_INFO_V1(idem_maintain);
-
-/* Only the owner of idempotency.claims (or a superuser) may reshape storage. */
-static void
-check_maintenance_privilege(const char *what)
-{
-	Oid			claims = idem_internal_relid("claims");
-
-	if (!pg_class_ownercheck(claims, GetUserId()))
-		ereport(ERROR,
-				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
-				 errmsg("permission denied to %s", what),
-				 errdetail("Only the owner of table idempotency.claims may manage its partitions.")));
-}
 
 /*---- SQL helpers ----*/
 
@@ -145,10 +142,9 @@ idem_exec_ddl_as_data(const char *sql)
 }
 
 /* Create one partition of idempotency.claims for [lower, upper) and register it. */
-static char *
-create_partition(TimestampTz lower, TimestampTz upper)
+static void
+create_partition(const char *qualified, TimestampTz lower, TimestampTz upper)
 {
-	char	   *qualified = idem_partition_name("claims", lower);
 	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
 	Datum		values[3];
 
@@ -162,7 +158,6 @@ create_partition(TimestampTz lower, TimestampTz upper)
 	idem_spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
 				  " VALUES ($1::pg_catalog.regclass, $2, $3)",
 				  3, types, values, SPI_OK_INSERT);
-	return qualified;
 }
 
 
@@ -174,8 +169,6 @@ idem_report_action(MaintainReport *rep, const char *action, const char *object)
 	Datum		values[2];
 	bool		nulls[2] = {false, false};
 
-	if (rep == NULL)
-		return;
 	rep->nactions++;
 	if (rep->store == NULL)
 	{
@@ -240,12 +233,33 @@ idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
-		idem_report_action(rep, psprintf("skip %s (%s)", verb, edata->message), object);
+		/* a lock the round could not get in time: another session holds it */
+		idem_report_action(rep, psprintf("skip %s (%s)", verb,
+										 edata->sqlerrcode == ERRCODE_LOCK_NOT_AVAILABLE ?
+										 "in use" : edata->message),
+						   object);
 		FreeErrorData(edata);
 		done = false;
 	}
 	PG_END_TRY();
 	return done;
+}
+
+/*
+ * May maintenance act on relid, a partition of parent?  Only if it is one
+ * as we make them (ownership.c); else the action is reported as skipped,
+ * with the reason, and nothing of the relation is read.
+ */
+bool
+idem_partition_trusted(MaintainReport *rep, const char *verb, Oid relid, Oid parent,
+					   const char *name)
+{
+	const char *why = idem_relation_distrust(relid, parent);
+
+	if (why == NULL)
+		return true;
+	idem_report_action(rep, psprintf("skip %s (not ours: %s)", verb, why), name);
+	return false;
 }
 
 typedef struct PartitionActionCall
@@ -271,6 +285,8 @@ run_action(Round *r, PartitionAction fn, IdemPartition *p, const char *verb)
 
 	if (call.name == NULL)
 		return false;			/* dropped by hand: idem_forget_missing() sees to it */
+	if (!idem_partition_trusted(r->rep, verb, p->relid, r->set->claims_relid, call.name))
+		return false;
 	return idem_run_guarded(r->rep, verb, call.name, call_partition_action, &call);
 }
 
@@ -305,30 +321,68 @@ set_upper(Oid relid, TimestampTz upper)
 /*---- sealing ----*/
 
 /*
- * Add what a partition being sealed (name: qualified, quoted) holds, per
- * scope, to idempotency.scope_history (idempotency.consumers), in the
- * sealing transaction: once sealed, a partition's claims are counted there
- * and no longer live.
+ * Add what a partition being sealed holds, per scope, to
+ * idempotency.scope_history (idempotency.consumers), in the sealing
+ * transaction: once sealed, a partition's claims are counted there and no
+ * longer live.  Counted by a heap scan (scopes.c), not a query over the
+ * partition.
  */
 static void
-fold_scopes(const char *name)
+fold_scopes(Relation rel, Snapshot snap)
 {
-	idem_spi_exec(psprintf("INSERT INTO idempotency.scope_history AS h"
-				   " SELECT c.scope, min(c.claimed_at), max(c.claimed_at), count(*)"
-				   " FROM %s c GROUP BY c.scope"
-				   " ON CONFLICT (scope) DO UPDATE SET"
-				   " first_claim_at = least(h.first_claim_at, excluded.first_claim_at),"
-				   " last_claim_at = greatest(h.last_claim_at, excluded.last_claim_at),"
-				   " claims = h.claims + excluded.claims", name),
-				  0, NULL, NULL, SPI_OK_INSERT);
+	HTAB	   *counts = idem_scope_counts_create();
+	HASH_SEQ_STATUS seq;
+	IdemScopeCount *c;
+	long		n;
+	Datum	   *scopes;
+	Datum	   *firsts;
+	Datum	   *lasts;
+	Datum	   *claims;
+	int			i = 0;
+	Oid			types[4] = {TEXTARRAYOID, TIMESTAMPTZARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID};
+	Datum		values[4];
+
+	idem_scope_counts_add(counts, rel, snap);
+	n = hash_get_num_entries(counts);
+	if (n == 0)
+		return;
+	scopes = palloc(sizeof(Datum) * n);
+	firsts = palloc(sizeof(Datum) * n);
+	lasts = palloc(sizeof(Datum) * n);
+	claims = palloc(sizeof(Datum) * n);
+	hash_seq_init(&seq, counts);
+	while ((c = hash_seq_search(&seq)) != NULL)
+	{
+		scopes[i] = CStringGetTextDatum(c->scope);
+		firsts[i] = TimestampTzGetDatum(c->first_claim_at);
+		lasts[i] = TimestampTzGetDatum(c->last_claim_at);
+		claims[i] = Int64GetDatum(c->claims);
+		i++;
+	}
+	values[0] = idem_build_array(scopes, NULL, n, TEXTOID);
+	values[1] = idem_build_array(firsts, NULL, n, TIMESTAMPTZOID);
+	values[2] = idem_build_array(lasts, NULL, n, TIMESTAMPTZOID);
+	values[3] = idem_build_array(claims, NULL, n, INT8OID);
+	idem_spi_exec("INSERT INTO idempotency.scope_history AS h"
+				  " SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2),"
+				  " pg_catalog.unnest($3), pg_catalog.unnest($4))"
+				  " ON CONFLICT (scope) DO UPDATE SET"
+				  " first_claim_at = least(h.first_claim_at, excluded.first_claim_at),"
+				  " last_claim_at = greatest(h.last_claim_at, excluded.last_claim_at),"
+				  " claims = h.claims + excluded.claims",
+				  4, types, values, SPI_OK_INSERT);
 }
 
 /*
- * Seal a partition: no claim may go into it any more, which lets claimers
- * check it without the value lock, mostly through its Bloom filter.
+ * Summarise a partition that takes no more claims, under a conditional
+ * ShareLock (a claimer inserting there makes it wait for a later round):
+ * its Bloom filter, number of claims and newest claimed_at, written to its
+ * registry row, with "sealed" set when sealing.  When sealing, also fold
+ * its claims per scope into the scope history (rebuilding a filter does
+ * not: the partition was folded when it was sealed).
  */
 static bool
-seal_one(Round *r, IdemPartition *p, const char *name)
+summarise(Round *r, IdemPartition *p, const char *name, bool seal)
 {
 	Relation	rel;
 	Snapshot	snap;
@@ -341,9 +395,14 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 
 	if (!ConditionalLockRelationOid(p->relid, ShareLock))
 		return false;			/* a claimer is inserting: next round */
+
+	/* a database still at version 1.0 has no room for what the seal found */
+	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
 	rel = table_open(p->relid, NoLock);
 	snap = RegisterSnapshot(GetLatestSnapshot());
 	bloom = idem_filter_build(rel, snap, &info);
+	if (seal && !v10)
+		fold_scopes(rel, snap); /* 1.0 has no scope history either */
 	UnregisterSnapshot(snap);
 	table_close(rel, NoLock);
 
@@ -353,9 +412,6 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	values[2] = Int64GetDatum(info.nkeys);
 	values[3] = TimestampTzGetDatum(info.max_claimed_at);
 	nulls[3] = info.nkeys == 0 ? 'n' : ' ';
-
-	/* a database still at version 1.0 has no room for what the seal found */
-	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
 	if (SPI_execute_with_args(v10 ?
 							  "UPDATE idempotency.partition_registry"
 							  " SET sealed = true, bloom = $2 WHERE relid = $1" :
@@ -364,10 +420,44 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	if (!v10)
-		fold_scopes(name);		/* 1.0 has no scope history either */
-	idem_report_action(r->rep, "seal", name);
+	idem_report_action(r->rep, seal ? "seal" : "rebuild filter", name);
 	return true;
+}
+
+/*
+ * Seal a partition: no claim may go into it any more, which lets claimers
+ * check it without the value lock, mostly through its Bloom filter.
+ */
+static bool
+seal_one(Round *r, IdemPartition *p, const char *name)
+{
+	return summarise(r, p, name, true);
+}
+
+/* Build the filter of a sealed partition again (its bloom was set to NULL). */
+static bool
+rebuild_one(Round *r, IdemPartition *p, const char *name)
+{
+	return summarise(r, p, name, false);
+}
+
+/*
+ * Rebuild the filters of sealed partitions that hold claims but have none:
+ * the repair of a damaged filter is to set its bloom to NULL.
+ */
+static void
+rebuild_filters(Round *r)
+{
+	if (get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber)
+		return;					/* 1.0 cannot tell an empty partition from one without */
+	for (int i = 0; i < r->set->nparts; i++)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (p->sealed && !p->empty && !p->has_filter &&
+			!idem_partition_expired(r->set, p, r->now))
+			run_action(r, rebuild_one, p, "rebuild filter");
+	}
 }
 
 /*
@@ -450,6 +540,34 @@ cut_one(Round *r, IdemPartition *p, const char *name)
 	return true;
 }
 
+typedef struct CreateCall
+{
+	TimestampTz lower;
+	TimestampTz upper;
+	const char *name;
+} CreateCall;
+
+static bool
+create_one(void *arg)
+{
+	CreateCall *c = arg;
+
+	create_partition(c->name, c->lower, c->upper);
+	return true;
+}
+
+/* Create and register a partition for [lower, upper), as one action. */
+static bool
+create_guarded(Round *r, TimestampTz lower, TimestampTz upper)
+{
+	CreateCall	call = {lower, upper, idem_partition_name("claims", lower)};
+
+	if (!idem_run_guarded(r->rep, "create", call.name, create_one, &call))
+		return false;
+	idem_report_action(r->rep, "create", call.name);
+	return true;
+}
+
 /* The earliest lower bound of a partition that takes claims and lies ahead. */
 static bool
 first_future_lower(Round *r, TimestampTz *lower)
@@ -504,7 +622,8 @@ ensure_partitions(Round *r)
 
 		if (lower > r->now)
 			lower -= r->s.interval * USECS_PER_SEC;
-		idem_report_action(r->rep, "create", create_partition(lower, upper));
+		if (!create_guarded(r, lower, upper))
+			return;				/* claims go into the newest partition meanwhile */
 		cursor = upper;
 	}
 
@@ -520,7 +639,8 @@ ensure_partitions(Round *r)
 	{
 		TimestampTz u = add_seconds(cursor, r->s.interval);
 
-		idem_report_action(r->rep, "create", create_partition(cursor, u));
+		if (!create_guarded(r, cursor, u))
+			break;
 		cursor = u;
 	}
 }
@@ -602,17 +722,36 @@ copy_partition_set(IdemPartitionSet *set)
 	return copy;
 }
 
+/*
+ * Act as the extension's owner for a round (see ownership.c), with a short
+ * lock_timeout: the round's DDL (CREATE TABLE ... INHERITS, ATTACH
+ * PARTITION) waits for any role that can LOCK a parent, and must never
+ * wait long for one.  Called once the maintenance lock is held (its wait
+ * is not bounded by that timeout).
+ */
+static void
+begin_round_as_owner(IdemAsOwner *as)
+{
+	char		timeout[32];
+
+	idem_check_members_owned();
+	idem_become_owner(as);
+	snprintf(timeout, sizeof(timeout), "%d", IDEM_MAINTENANCE_LOCK_TIMEOUT_MS);
+	(void) set_config_option("lock_timeout", timeout, PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+}
+
 static bool
 maintain(MaintainReport *rep, bool wait, bool reshape)
 {
 	Round		r;
 	IdemPartitionSet *before;
-	int			nestlevel;
+	IdemAsOwner as;
 
 	if (!lock_maintenance(wait))
 		return false;
 
-	nestlevel = idem_pin_search_path();
+	begin_round_as_owner(&as);
 	SPI_connect();
 	r.rep = rep;
 	r.s = idem_read_settings(GetLatestSnapshot());
@@ -639,12 +778,14 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 		r.set = idem_partition_set_fresh();
 		seal_passed(&r);
 		r.set = idem_partition_set_fresh();
+		rebuild_filters(&r);
+		r.set = idem_partition_set_fresh();
 		drop_expired(&r, before);
 		idem_filters_forget_others(idem_partition_set_fresh());
 	}
 	idem_stores_maintain(rep, &r.s, r.now);
 	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_unbecome_owner(&as);
 	idem_stats_maintained();
 	return true;
 }
@@ -730,13 +871,12 @@ idem_configure(PG_FUNCTION_ARGS)
 	int64		old_interval;
 	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
 	Datum		values[3];
-	int			nestlevel;
-
-	check_maintenance_privilege("configure idempotency");
+	IdemAsOwner as;
+	MaintainReport rep = {NULL, NULL, DEBUG1, 0};
 
 	/* validate against the settings no other configuration can change now */
 	lock_maintenance(true);
-	nestlevel = idem_pin_search_path();
+	idem_become_owner(&as);
 	SPI_connect();
 	s = idem_read_settings(GetLatestSnapshot());
 	old_interval = s.interval;
@@ -767,10 +907,10 @@ idem_configure(PG_FUNCTION_ARGS)
 							  3, types, values, NULL, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not update idempotency.settings");
 	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_unbecome_owner(&as);
 
-	/* new settings take effect now */
-	maintain(NULL, true, s.interval != old_interval);
+	/* new settings take effect now; the round's actions are logged */
+	maintain(&rep, true, s.interval != old_interval);
 	PG_RETURN_VOID();
 }
 
@@ -784,7 +924,6 @@ idem_maintain(PG_FUNCTION_ARGS)
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	MaintainReport rep;
 
-	check_maintenance_privilege("maintain idempotency partitions");
 	InitMaterializedSRF(fcinfo, 0);
 	rep.store = rsinfo->setResult;
 	rep.desc = rsinfo->setDesc;

@@ -42,11 +42,19 @@
  *	  a round; call idem_maintain() on its own, not inside a longer
  *	  transaction).
  *	- Whether a partition holds young rows or is pinned is read before
- *	  those locks, and again once the partition is locked: a writer whose
- *	  cache knows no newer partition (after a long lag, those the round
- *	  makes are not committed yet) still writes into the newest that has
- *	  begun, even past its retention.  Only an explicit redrive or replay
- *	  moves delivery back.
+ *	  those locks, under the latest snapshot, and again once the partition
+ *	  is locked: then no writer is in progress there (a prepared one keeps
+ *	  its lock until COMMIT PREPARED), so the latest snapshot sees every
+ *	  row it will hold.  A writer whose cache knows no newer partition
+ *	  (after a long lag, those the round makes are not committed yet) still
+ *	  writes into the newest that has begun, even past its retention, and a
+ *	  transaction the first check could not see may have committed an
+ *	  undelivered row meanwhile: the second check catches both (see
+ *	  recheck_locked()).
+ *	- Maintenance acts only on partitions that are ours (ownership.c), as
+ *	  the extension's owner; its DDL waits at most lock_timeout
+ *	  (IDEM_MAINTENANCE_LOCK_TIMEOUT_MS) for the parent, so a role that
+ *	  may LOCK a store's table cannot stall the round.
  *
  *-------------------------------------------------------------------------
  */
@@ -89,6 +97,13 @@ typedef struct StoreDesc
 	const char *newest;			/* time of a partition's newest row, %s it */
 	const char *pinned;			/* function(regclass) -> boolean, or NULL */
 	bool	   *keep_pinned;	/* setting that lets pins count, or NULL */
+
+	/*
+	 * With pins: whether a partition holds a row of a transaction that the
+	 * first check's snapshot could not see (%s the partition, $1 that
+	 * snapshot's xmin), an index probe; NULL: check the pins again instead.
+	 */
+	const char *written_since;
 } StoreDesc;
 
 static const StoreDesc stores[IDEM_NSTORES] = {
@@ -100,12 +115,13 @@ static const StoreDesc stores[IDEM_NSTORES] = {
 		"SELECT max(created_at) FROM (SELECT created_at FROM %s"
 		" ORDER BY txid DESC, id DESC LIMIT 1000) e",
 		"outbox_partition_pinned", &idem_outbox_keep_undelivered,
+		"SELECT EXISTS (SELECT FROM %s WHERE txid >= $1)",
 	},
 	[IDEM_STORE_REQUESTS] = {
 		"requests", "requests", "request_partitions",
 		{"CREATE UNIQUE INDEX ON %s (scope, key)"},
 		"SELECT max(created_at) FROM %s",
-		NULL, NULL,
+		NULL, NULL, NULL,
 	},
 	[IDEM_STORE_INBOX] = {
 		"inbox", "inbox_messages", "inbox_partitions",
@@ -116,7 +132,8 @@ static const StoreDesc stores[IDEM_NSTORES] = {
 		/* ids sort by received_at */
 		"SELECT max(received_at) FROM (SELECT received_at FROM %s"
 		" ORDER BY id DESC LIMIT 1) m",
-		"inbox_partition_pinned", NULL,
+		/* the pin is an index probe on (done_at, dead_at): checked again */
+		"inbox_partition_pinned", NULL, NULL,
 	},
 };
 
@@ -439,40 +456,102 @@ typedef struct DropCall
 	StorePartition *p;
 	const char *name;
 	bool		droppable;
+	Datum		seen_xmin;		/* xid8: the first check's snapshot's xmin */
 } DropCall;
 
-/*
- * May the partition go: no row younger than the retention, and (if
- * check_pin) nothing pinned?  Reads it under a snapshot of its own, so that
- * rows committed since the round began count.
- */
+/* Do pins keep this store's partitions? */
 static bool
-may_drop(DropCall *c, bool check_pin)
+pins_count(const StoreDesc *d)
 {
-	const StoreDesc *d = c->r->d;
-	bool		ok = true;
-
-	PushActiveSnapshot(GetTransactionSnapshot());
-	if (partition_newest(d, c->name) > c->r->now - c->r->s->retention * USECS_PER_SEC)
-		ok = false;				/* took rows while maintenance lagged */
-	else if (check_pin && d->pinned != NULL && (d->keep_pinned == NULL || *d->keep_pinned) &&
-			 partition_pinned(d, c->p->relid))
-	{
-		idem_report_action(c->r->rep, "keep (pinned)", c->name);
-		ok = false;
-	}
-	PopActiveSnapshot();
-	return ok;
+	return d->pinned != NULL && (d->keep_pinned == NULL || *d->keep_pinned);
 }
 
-/* The first check, without locks beyond AccessShareLock. */
+/* Has the partition a row younger than the retention (under the active snapshot)? */
+static bool
+has_young_rows(DropCall *c)
+{
+	return partition_newest(c->r->d, c->name) >
+		c->r->now - c->r->s->retention * USECS_PER_SEC;
+}
+
+/* xmin of the active snapshot, as xid8: every xid it cannot see is at least that */
+static Datum
+active_snapshot_xmin(void)
+{
+	bool		isnull;
+
+	if (SPI_execute("SELECT pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot())",
+					true, 0) != SPI_OK_SELECT || SPI_processed != 1)
+		elog(ERROR, "could not read the snapshot's xmin");
+	return SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull);
+}
+
+/* Has the partition a row of a transaction the first check could not see? */
+static bool
+written_since(DropCall *c)
+{
+	Oid			types[1] = {XID8OID};
+	bool		isnull;
+
+	if (SPI_execute_with_args(psprintf(c->r->d->written_since, c->name), 1, types,
+							  &c->seen_xmin, NULL, true, 0) != SPI_OK_SELECT ||
+		SPI_processed != 1)
+		elog(ERROR, "could not read %s", c->name);
+	return DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+}
+
+/*
+ * The first check, with no lock beyond AccessShareLock: no row younger than
+ * the retention, nothing pinned.  Under the latest snapshot (a caller in
+ * REPEATABLE READ must not decide from an old one), whose xmin is kept for
+ * the second check.
+ */
 static bool
 check_one(void *arg)
 {
 	DropCall   *c = arg;
 
-	c->droppable = may_drop(c, true);
+	PushActiveSnapshot(GetLatestSnapshot());
+	c->seen_xmin = active_snapshot_xmin();
+	c->droppable = !has_young_rows(c);
+	if (c->droppable && pins_count(c->r->d) && partition_pinned(c->r->d, c->p->relid))
+	{
+		idem_report_action(c->r->rep, "keep (pinned)", c->name);
+		c->droppable = false;
+	}
+	PopActiveSnapshot();
 	return c->droppable;
+}
+
+/*
+ * The second check, holding the partition's AccessExclusiveLock: no writer
+ * is in progress there now (a prepared one keeps its lock until COMMIT
+ * PREPARED), so the latest snapshot sees every row it will ever hold.  Rows
+ * may have come since the first check: from a writer whose cache knows no
+ * newer partition (those this round made are not committed yet), or from
+ * a transaction the first check's snapshot could not see, committed (or
+ * prepared, then committed) while the round waited.  So: its newest row
+ * again, and the pins again -- for the outbox only over the rows of those
+ * transactions (an index probe on txid: readers wait on this lock), for
+ * the inbox whole (its pin is an index probe).
+ */
+static bool
+recheck_locked(DropCall *c)
+{
+	const StoreDesc *d = c->r->d;
+	bool		ok = true;
+
+	PushActiveSnapshot(GetLatestSnapshot());
+	if (has_young_rows(c))
+		ok = false;
+	else if (pins_count(d) &&
+			 (d->written_since != NULL ? written_since(c) : partition_pinned(d, c->p->relid)))
+	{
+		idem_report_action(c->r->rep, "keep (written since checked)", c->name);
+		ok = false;
+	}
+	PopActiveSnapshot();
+	return ok;
 }
 
 typedef struct DropBatch
@@ -507,15 +586,7 @@ drop_batch(void *arg)
 			continue;
 		}
 
-		/*
-		 * Its newest row again, now that no writer can add one: a writer
-		 * whose cache knows no newer partition (those this round made are
-		 * not committed yet) may have written here since the first check.
-		 * (A short ordered index scan: readers wait on this lock.  Pins need no
-		 * second look: only a new row or an explicit redrive or replay
-		 * makes one.)
-		 */
-		if (!may_drop(c, false))
+		if (!recheck_locked(c))
 		{
 			c->droppable = false;
 			continue;
@@ -564,12 +635,13 @@ drop_expired(StoreRound *r, StorePartition *parts, int n)
 		c->r = r;
 		c->p = p;
 		c->name = psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
-		(void) idem_run_guarded(r->rep, "drop", c->name, check_one, c);
+		if (idem_partition_trusted(r->rep, "drop", p->relid, r->parent, c->name))
+			(void) idem_run_guarded(r->rep, "drop", c->name, check_one, c);
 		b.n++;
 	}
 	if (b.n > 0)
 	{
-		idem_debug_wait("store_drop_checked");
+		idem_debug_wait(psprintf("%s_drop_checked", r->d->name));
 		(void) idem_run_guarded(r->rep, "drop", r->parent_name, drop_batch, &b);
 	}
 }

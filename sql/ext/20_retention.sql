@@ -17,3 +17,7 @@ COMMENT ON FUNCTION idem_maintain() IS
 
 -- The partitions view, which lists the outbox's partitions too, is in
 -- 60_partitions.sql.
+
+-- Maintenance is a capability: a round runs as the extension's owner
+-- (src/retention.c), so who may start one is who holds EXECUTE.
+REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;

@@ -19,9 +19,10 @@
 -- Inbox partitions (store 'inbox'): the same states; pinned means it holds
 -- a message that is not done (pending, leased, waiting or dead).
 --
--- This fragment replaces the 1.0 view as a whole: the upgrade script drops
--- that one and the Makefile appends this file to it.
-CREATE VIEW idempotency.partitions AS
+-- The columns of the 1.0 view come first, in their order, so that the
+-- upgrade replaces the view in place (CREATE OR REPLACE): a view of a
+-- user's over it must not block ALTER EXTENSION UPDATE.
+CREATE OR REPLACE VIEW idempotency.partitions AS
 SELECT r.relid AS partition,
        r.lower,
        r.upper,
@@ -33,10 +34,10 @@ SELECT r.relid AS partition,
            WHEN now() < r.upper THEN 'current'
            ELSE 'sealing'
        END AS state,
-       r.nkeys AS claims,
-       r.max_claimed_at AS newest_claim,
        r.bloom IS NOT NULL AS has_bloom_filter,
        pg_catalog.pg_total_relation_size(r.relid) AS bytes,
+       r.nkeys AS claims,
+       r.max_claimed_at AS newest_claim,
        'claims'::text AS store
 FROM idempotency.partition_registry r
 CROSS JOIN idempotency.current_settings() s
@@ -49,8 +50,9 @@ SELECT o.relid, o.lower, o.upper,
            WHEN idempotency.outbox_partition_pinned(o.relid) THEN 'pinned'
            ELSE 'expired'
        END,
-       NULL, NULL, false,
+       false,
        pg_catalog.pg_total_relation_size(o.relid),
+       NULL, NULL,
        'outbox'
 FROM idempotency.outbox_partitions o
 CROSS JOIN idempotency.current_settings() s
@@ -62,8 +64,9 @@ SELECT q.relid, q.lower, q.upper,
            WHEN q.upper > now() - s.retention THEN 'sealed'
            ELSE 'expired'
        END,
-       NULL, NULL, false,
+       false,
        pg_catalog.pg_total_relation_size(q.relid),
+       NULL, NULL,
        'requests'
 FROM idempotency.request_partitions q
 CROSS JOIN idempotency.current_settings() s
@@ -76,8 +79,9 @@ SELECT i.relid, i.lower, i.upper,
            WHEN idempotency.inbox_partition_pinned(i.relid) THEN 'pinned'
            ELSE 'expired'
        END,
-       NULL, NULL, false,
+       false,
        pg_catalog.pg_total_relation_size(i.relid),
+       NULL, NULL,
        'inbox'
 FROM idempotency.inbox_partitions i
 CROSS JOIN idempotency.current_settings() s;

@@ -28,6 +28,52 @@
 -- install; a failing run prints what differs.
 --
 
+---- locks first, in the claimers' order -----------------------------------
+
+-- This update alters the claims parent (ALTER TABLE ... ADD COLUMN recurses
+-- into every partition, oldest first) and the registry, while claimers may
+-- run: they read the registry, then lock the partition they insert into,
+-- then the others newest first.  Taking the same locks in that order, each
+-- with a lock_timeout shorter than deadlock_timeout and the whole set
+-- retried when one times out, means no claimer ever deadlocks with the
+-- update (claimers only wait for it).  Should the claimers never leave a
+-- gap in 60 seconds, the update fails with a message that says so.
+DO $$
+DECLARE
+    tries integer := 0;
+    p regclass;
+    old_timeout text := pg_catalog.current_setting('lock_timeout');
+BEGIN
+    PERFORM pg_catalog.set_config('lock_timeout', '100ms', true);
+    LOOP
+        BEGIN
+            LOCK TABLE ONLY idempotency.claims, idempotency.partition_registry,
+                       idempotency.settings IN ACCESS EXCLUSIVE MODE;
+            FOR p IN SELECT i.inhrelid::regclass
+                     FROM pg_catalog.pg_inherits i
+                     LEFT JOIN idempotency.partition_registry r ON r.relid = i.inhrelid
+                     WHERE i.inhparent = 'idempotency.claims'::regclass
+                     ORDER BY (r.lower <= now() AND now() < r.upper) IS TRUE DESC,
+                              r.lower DESC NULLS LAST, i.inhrelid DESC
+            LOOP
+                EXECUTE pg_catalog.format('LOCK TABLE ONLY %s IN ACCESS EXCLUSIVE MODE', p);
+            END LOOP;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            tries := tries + 1;
+            IF tries >= 300 THEN
+                RAISE EXCEPTION 'could not lock the claims partitions for the update'
+                    USING ERRCODE = 'lock_not_available',
+                          DETAIL = 'Claims kept a partition busy for 300 tries over about 60 seconds.',
+                          HINT = 'Pause the claimers (or retry when the load is lower), then run ALTER EXTENSION idempotency UPDATE again.';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.1);
+        END;
+    END LOOP;
+    PERFORM pg_catalog.set_config('lock_timeout', old_timeout, true);
+END
+$$;
+
 ---- claims store: seals record their claims, the cache trigger is internal,
 ---- filters and the cache can be inspected, payloads get a digest --------
 
@@ -103,6 +149,35 @@ CREATE FUNCTION idempotency.current_settings(
 COMMENT ON FUNCTION idempotency.current_settings() IS
     'retention, partition_interval and premake in force (the defaults when none were configured)';
 
--- the partitions view gains columns in the middle: drop it; sql/ext/
--- 60_partitions.sql, appended by the Makefile, creates the 1.1 one
-DROP VIEW idempotency.partitions;
+-- the partitions view gains columns at the end: sql/ext/60_partitions.sql,
+-- appended by the Makefile, replaces it in place
+
+---- who owns what, and who may maintain ----------------------------------
+
+-- A 1.1 round runs as the extension's owner and acts only on partitions that
+-- owner owns (src/ownership.c).  Under 1.0 the role that ran the rounds
+-- created the partitions, and a DBA may have given the tables to a
+-- maintenance role: every table of the schema goes back to the extension's
+-- owner, and that role keeps maintaining through EXECUTE on the two
+-- functions, which PUBLIC no longer has.
+DO $$
+DECLARE
+    ext_owner regrole := (SELECT e.extowner::regrole FROM pg_catalog.pg_extension e
+                          WHERE e.extname = 'idempotency');
+    claims_owner regrole := (SELECT c.relowner::regrole FROM pg_catalog.pg_class c
+                             WHERE c.oid = 'idempotency.claims'::regclass);
+    t regclass;
+BEGIN
+    IF claims_owner <> ext_owner THEN
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION idem_maintain(), idem_configure(interval, interval, integer) TO %s',
+                                  claims_owner);
+    END IF;
+    FOR t IN SELECT c.oid::regclass FROM pg_catalog.pg_class c
+             WHERE c.relnamespace = 'idempotency'::regnamespace
+               AND c.relkind IN ('r', 'p', 'v') AND c.relowner <> ext_owner
+    LOOP
+        EXECUTE pg_catalog.format('ALTER TABLE %s OWNER TO %s', t, ext_owner);
+    END LOOP;
+END
+$$;
+REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;
