@@ -37,15 +37,34 @@ my $jobid = $node->safe_psql('postgres',
 );
 like($jobid, qr/^\d+$/, "job scheduled (jobid $jobid)");
 
+# the same job for a maintenance role that is not a superuser: EXECUTE on
+# idem_maintain() is all it needs of ours (the round runs as the
+# extension's owner), USAGE on schema cron all pg_cron needs
+$node->safe_psql(
+	'postgres', q{
+CREATE ROLE maint LOGIN;
+GRANT EXECUTE ON FUNCTION idem_maintain() TO maint;
+GRANT USAGE ON SCHEMA cron TO maint;
+});
+my $maint_jobid = $node->safe_psql('postgres',
+	"SET ROLE maint; SELECT cron.schedule('idempotency-maintenance-role', '* * * * *', 'SELECT idem_maintain()')"
+);
+like($maint_jobid, qr/^\d+$/, "job scheduled by a non-superuser (jobid $maint_jobid)");
+
 ok( $node->poll_query_until(
 		'postgres', qq{
 SELECT count(*) >= 1 FROM cron.job_run_details
  WHERE jobid = $jobid AND status = 'succeeded'}),
 	'pg_cron ran idem_maintain() with status succeeded');
+ok( $node->poll_query_until(
+		'postgres', qq{
+SELECT count(*) >= 1 FROM cron.job_run_details
+ WHERE jobid = $maint_jobid AND status = 'succeeded' AND username = 'maint'}),
+	'and as the non-superuser maintenance role');
 is( $node->safe_psql(
 		'postgres', qq{
 SELECT count(*) FROM cron.job_run_details
- WHERE jobid = $jobid AND status NOT IN ('succeeded', 'running', 'starting')}),
+ WHERE jobid IN ($jobid, $maint_jobid) AND status NOT IN ('succeeded', 'running', 'starting')}),
 	'0',
 	'no failed pg_cron run');
 note('job_run_details: '
@@ -64,6 +83,6 @@ unlike(slurp_file($node->logfile, $offset),
 	qr/ERROR:|exited with exit code/,
 	'no error logged and no worker exited');
 
-$node->safe_psql('postgres', "SELECT cron.unschedule($jobid)");
+$node->safe_psql('postgres', "SELECT cron.unschedule($jobid), cron.unschedule($maint_jobid)");
 $node->stop;
 done_testing();
