@@ -32,7 +32,23 @@ SELECT p.store, count(*) AS partitions,
  GROUP BY p.store ORDER BY p.store;
 SELECT premake FROM idempotency.current_settings();
 
--- 3. a damaged Bloom filter is repaired by setting it to NULL: the next
+-- 3. an index on an expression of a partition is refused by claimers before
+-- its expression is built (building it would run the function, as the claimer)
+CREATE TABLE pg_temp.ran (n int);
+CREATE FUNCTION pg_temp.note() RETURNS text LANGUAGE plpgsql VOLATILE AS
+$$ BEGIN INSERT INTO pg_temp.ran VALUES (1); RETURN ''; END $$;
+CREATE FUNCTION pg_temp.quiet() RETURNS text LANGUAGE plpgsql IMMUTABLE AS
+$$ BEGIN RETURN pg_temp.note(); END $$;
+SELECT relid AS current_part FROM idempotency.partition_registry
+ WHERE lower <= now() AND now() < upper AND NOT sealed \gset
+CREATE INDEX trap_index ON :current_part ((scope || pg_temp.quiet()));
+TRUNCATE pg_temp.ran;
+SELECT regexp_replace(pg_temp.try($$SELECT idem_claim('trap', 'maint-security')$$),
+                      'claims_[0-9_a-f]+', 'claims_*');
+SELECT count(*) AS function_ran FROM pg_temp.ran;
+DROP INDEX idempotency.trap_index;
+
+-- 4. a damaged Bloom filter is repaired by setting it to NULL: the next
 -- round rebuilds it
 SELECT idem_claim('filter-' || g, 'maint-security') FROM generate_series(1, 50) g \g /dev/null
 SET idempotency.debug_clock_offset = '2d';
@@ -49,7 +65,7 @@ SELECT count(*) AS claimed_again
 SELECT action FROM idem_maintain() WHERE object = :'filtered_part'::regclass::text;
 RESET idempotency.debug_clock_offset;
 
--- 4. a partition that is not ours is reported and left alone: handed to
+-- 5. a partition that is not ours is reported and left alone: handed to
 -- another role, it is neither sealed nor dropped, and nothing of it is read
 SELECT relid AS future_part FROM idempotency.partition_registry
  WHERE lower > now() + interval '1 day' ORDER BY lower LIMIT 1 \gset
@@ -80,7 +96,7 @@ RESET idempotency.debug_clock_offset;
 SELECT count(*) AS still_there FROM idempotency.outbox_partitions WHERE relid = :'outbox_part'::regclass;
 ALTER TABLE :outbox_part OWNER TO CURRENT_USER;
 
--- 5. a table of the extension handed to another role: no round acts as the
+-- 6. a table of the extension handed to another role: no round acts as the
 -- owner on a table whose triggers another role controls
 ALTER TABLE idempotency.partition_registry OWNER TO idem_other_role;
 SELECT regexp_replace(pg_temp.try($$SELECT count(*) FROM idem_maintain()$$),

@@ -37,15 +37,21 @@ idem_open_insert_indexes(Relation heap, IdemIndexSet *set, const char *what)
 	foreach(lc, oids)
 	{
 		Relation	index = index_open(lfirst_oid(lc), RowExclusiveLock);
-		IndexInfo  *info = BuildIndexInfo(index);
+		IndexInfo  *info;
 
-		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL)
+		/*
+		 * Refused before BuildIndexInfo(), which folds the expressions:
+		 * that would run code the index's owner chose, as the caller.
+		 */
+		if (!heap_attisnull(index->rd_indextuple, Anum_pg_index_indexprs, NULL) ||
+			!heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL))
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 					 errmsg("%s \"%s\" has index \"%s\" with expressions or a predicate",
 							what, RelationGetRelationName(heap), RelationGetRelationName(index)),
 					 errdetail("The idempotency extension maintains only indexes on plain columns there."),
 					 errhint("Drop the index, or index the columns themselves.")));
+		info = BuildIndexInfo(index);
 		if (!info->ii_ReadyForInserts)
 		{
 			index_close(index, NoLock);
