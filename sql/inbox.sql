@@ -303,6 +303,83 @@ CREATE TEMP TABLE r5 AS SELECT *, row_number() OVER () AS pos FROM idem_inbox_cl
 SELECT m.message_id, m.ordering_key, m.seq, r5.attempts FROM r5 JOIN idempotency.inbox_messages m USING (id) ORDER BY pos;
 SELECT * FROM pg_temp.msgs() WHERE source = 'acct';
 
+-- 8b. Extend: a worker slower than its lease prolongs it, and its messages
+-- are not handed out again meanwhile.  Fenced like done: only a token's
+-- live lease, only its messages not settled; it returns how many it covers
+SET idempotency.debug_clock_offset = 4000;
+SELECT count(*) FILTER (WHERE r) AS received
+  FROM (SELECT idem_inbox_receive('slow', 's-' || g, '{}') AS r FROM generate_series(1, 3) g) x;
+CREATE TEMP TABLE s1 AS SELECT * FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
+SELECT lease_token AS s1_token FROM s1 LIMIT 1 \gset
+SELECT count(*) AS leased FROM s1;
+SELECT idem_inbox_extend(:'s1_token', '1 minute') AS covered;
+SELECT count(DISTINCT lease_until) AS untils,
+       bool_and(lease_until - pg_temp.idem_now() BETWEEN '55 seconds' AND '1 minute') AS leased_1m,
+       bool_and(attempts = 1) AS attempts_unchanged
+  FROM idempotency.inbox_messages WHERE source = 'slow';
+-- 30 seconds on, past the lease the claim gave: still held
+SET idempotency.debug_clock_offset = 4030;
+SELECT count(*) AS handed_out_again FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
+SELECT * FROM pg_temp.msgs() WHERE source = 'slow';
+-- done and failed messages leave the lease; the rest it covers
+SELECT idem_inbox_done(ARRAY(SELECT id FROM s1 WHERE message_id = 's-1'), :'s1_token') AS done;
+SELECT idem_inbox_extend(:'s1_token', '1 minute') AS covered;
+SELECT idem_inbox_fail((SELECT id FROM s1 WHERE message_id = 's-2'), 'later', '1 hour', :'s1_token');
+SELECT idem_inbox_extend(:'s1_token', '1 minute') AS covered;
+SELECT idem_inbox_extend(gen_random_uuid(), '1 minute') AS unknown_token;
+-- the lease runs out: extending it is too late; another worker takes s-3,
+-- and the first worker's token extends, settles and fails nothing of it
+SET idempotency.debug_clock_offset = 4200;
+SELECT idem_inbox_extend(:'s1_token', '1 hour') AS expired;
+CREATE TEMP TABLE s2 AS SELECT * FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
+SELECT lease_token AS s2_token FROM s2 LIMIT 1 \gset
+SELECT message_id, attempts FROM s2;
+SELECT idem_inbox_extend(:'s1_token', '1 hour') AS old_token;
+SELECT idem_inbox_done(ARRAY(SELECT id FROM s2), :'s1_token') AS old_token_done;
+SELECT lease_until - pg_temp.idem_now() BETWEEN '5 seconds' AND '10 seconds' AS new_lease_untouched
+  FROM idempotency.inbox_messages WHERE message_id = 's-3';
+SELECT idem_inbox_extend(:'s2_token', '1 hour') AS new_token;
+-- a message that died holding the lease is not covered
+SET idempotency.inbox_max_attempts = 2;
+SET idempotency.debug_clock_offset = 7900;
+SELECT count(*) AS claimed FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
+SELECT idem_inbox_extend(:'s2_token', '1 hour') AS dead_not_covered;
+RESET idempotency.inbox_max_attempts;
+SELECT * FROM pg_temp.msgs() WHERE source = 'slow';
+-- bad input: NULL 22004, zero, negative or absurd lease 22023, wrong type
+-- 22P02 / 22007; none of it changes a lease
+CREATE TEMP TABLE s_before AS SELECT id, lease_token, lease_until FROM idempotency.inbox_messages WHERE source = 'slow';
+SELECT pg_temp.try($$SELECT idem_inbox_extend(NULL, '1 minute')$$);
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, NULL)$$, :'s2_token'));
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '0 seconds')$$, :'s2_token'));
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '-1 second')$$, :'s2_token'));
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '300000 years')$$, :'s2_token'));
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '2147483647 months -2147483647 days')$$, :'s2_token'));
+SELECT pg_temp.try($$SELECT idem_inbox_extend('not a token', '1 minute')$$);
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, 'a while')$$, :'s2_token'));
+SELECT count(*) AS leases_changed
+  FROM idempotency.inbox_messages m JOIN s_before b USING (id)
+ WHERE m.lease_token IS DISTINCT FROM b.lease_token OR m.lease_until IS DISTINCT FROM b.lease_until;
+-- privileges: extend needs UPDATE on idempotency.inbox_messages (the
+-- worker's grant of README "Inbox")
+SELECT idem_inbox_receive('slow', 's-4', '{}') AS received;
+CREATE TEMP TABLE s3 AS SELECT * FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
+SELECT lease_token AS s3_token FROM s3 LIMIT 1 \gset
+CREATE ROLE regress_inbox_slow;
+GRANT USAGE ON SCHEMA idempotency TO regress_inbox_slow;
+GRANT SELECT ON idempotency.inbox_messages TO regress_inbox_slow;
+SET ROLE regress_inbox_slow;
+SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '1 minute')$$, :'s3_token')) AS select_only;
+RESET ROLE;
+GRANT UPDATE ON idempotency.inbox_messages TO regress_inbox_slow;
+SET ROLE regress_inbox_slow;
+SELECT idem_inbox_extend(:'s3_token', '1 minute') AS worker_extend;
+RESET ROLE;
+REVOKE ALL ON idempotency.inbox_messages FROM regress_inbox_slow;
+REVOKE ALL ON SCHEMA idempotency FROM regress_inbox_slow;
+DROP ROLE regress_inbox_slow;
+DROP TABLE s1, s2, s3, s_before;
+
 -- 9. Maintenance makes and drops inbox partitions like the outbox's, but
 -- keeps a partition that holds a message not done (pinned)
 RESET idempotency.debug_clock_offset;

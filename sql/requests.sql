@@ -132,6 +132,56 @@ DELETE FROM idempotency.requests WHERE key = 'k-6';
 SELECT status, attempt FROM idem_request_begin('k-6', 'payments');
 SELECT count(*) AS rows_for_k6 FROM idempotency.requests WHERE key = 'k-6';
 
+-- 7b. A request and its claim live and leave together.  When the claim goes
+-- first (released here; maintenance drops a claims partition past its
+-- retention while a reader keeps the request's partition from going), the
+-- key is new again: begin starts it afresh in the one row the key has --
+-- not in a second row in today's partition -- and the attempt number goes
+-- on, so no holder of the old request can pass for the new one
+SELECT status, attempt FROM idem_request_begin('k-7', 'payments', '{"v": 1}', '10 seconds');
+SELECT idem_request_checkpoint('k-7', 'payments', 1, 'charged', '{"charge": "ch_7"}');
+SELECT idem_request_complete('k-7', 'payments', '{"first": true}', 1, 200);
+SELECT idem_release('k-7', 'request:payments') AS claim_released;
+-- a day later, so a row made now would go into another partition
+SET idempotency.debug_clock_offset = '30h';
+SELECT * FROM idem_request_begin('k-7', 'payments', '{"v": 2}', '10 seconds');
+SELECT count(*) AS rows_for_k7, min(status) AS status, min(attempt) AS attempt,
+       bool_and(created_at > now() + interval '29 hours') AS created_anew
+  FROM idempotency.requests WHERE key = 'k-7';
+SELECT scope, key FROM idempotency.claims WHERE key = 'k-7';
+-- every call of the key acts on that row: checkpoint, takeover, abandon,
+-- restart, complete
+SELECT idem_request_checkpoint('k-7', 'payments', 2, 'step_1');
+SET idempotency.debug_clock_offset = '31h';
+SELECT status, attempt, recovery_point FROM idem_request_begin('k-7', 'payments', '{"v": 2}');
+SELECT pg_temp.try($$SELECT idem_request_fence('k-7', 'payments', 2)$$);
+SELECT idem_request_abandon('k-7', 'payments');
+SELECT status, attempt FROM idem_request_begin('k-7', 'payments', '{"v": 3}');
+SELECT idem_request_complete('k-7', 'payments', '{"second": true}', 4, 201);
+SELECT status, response, response_status, attempt FROM idem_request_begin('k-7', 'payments', '{"v": 3}');
+SELECT count(*) AS rows_for_k7, min(status) AS status, min(attempt) AS attempt
+  FROM idempotency.requests WHERE key = 'k-7';
+-- a released claim whose request still holds a live lease: the new claim
+-- does not take the key from that holder (IK002, and the claim rolls back)
+SELECT status, attempt FROM idem_request_begin('k-8', 'payments', NULL, '1 hour');
+SELECT idem_release('k-8', 'request:payments') AS claim_released;
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k-8', 'payments')$$);
+SELECT count(*) AS claims_for_k8 FROM idempotency.claims WHERE key = 'k-8';
+SELECT idem_request_fence('k-8', 'payments', 1);
+SELECT count(*) AS rows_for_k8 FROM idempotency.requests WHERE key = 'k-8';
+
+-- 7c. Under REPEATABLE READ, begin decides from the row as it is now,
+-- this transaction's own changes included
+BEGIN ISOLATION LEVEL REPEATABLE READ;
+SELECT status, attempt FROM idem_request_begin('k-9', 'payments');
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k-9', 'payments')$$);
+SELECT idem_request_complete('k-9', 'payments', '{"ok": 9}', 1, 200);
+SELECT status, response, attempt FROM idem_request_begin('k-9', 'payments');
+SELECT idem_request_abandon('k-9', 'payments');
+SELECT status, attempt FROM idem_request_begin('k-9', 'payments');
+COMMIT;
+SELECT status, attempt, count(*) OVER () AS rows_for_k9 FROM idempotency.requests WHERE key = 'k-9';
+
 -- 8. Bad input: NULL 22004, empty or invalid 22023, too long 22001
 SELECT count(*) AS requests_before FROM idempotency.requests \gset
 SELECT count(*) AS claims_before FROM idempotency.claims \gset

@@ -40,8 +40,10 @@
  *	  fail and replay, all short, can hold those rows).  Because a later
  *	  message of a key is a candidate only once every earlier one is done,
  *	  two claimers never split a key.
- *	- done and fail lock the messages they name (one statement);
- *	  replay locks the messages of its range.
+ *	- done and fail lock the messages they name (one statement); extend
+ *	  locks the undone messages its token holds the live lease of (one
+ *	  statement: it waits for a claim that is taking them over, and then
+ *	  finds the token gone); replay locks the messages of its range.
  *
  * Everything runs with the caller's privileges (README "Inbox"), through
  * generic plans prepared with search_path pinned (idempotency.c); the direct
@@ -72,6 +74,7 @@ PG_FUNCTION_INFO_V1(idem_inbox_receive);
 PG_FUNCTION_INFO_V1(idem_inbox_claim);
 PG_FUNCTION_INFO_V1(idem_inbox_done);
 PG_FUNCTION_INFO_V1(idem_inbox_fail);
+PG_FUNCTION_INFO_V1(idem_inbox_extend);
 PG_FUNCTION_INFO_V1(idem_inbox_replay);
 
 /* the claims scope of a source is this prefix and the source */
@@ -125,6 +128,7 @@ typedef enum
 	ST_DONE,
 	ST_LOCK_ONE,
 	ST_FAIL,
+	ST_EXTEND,
 	ST_REPLAY,
 	NUM_STATEMENTS
 } InboxStatement;
@@ -222,6 +226,19 @@ static const IdemStatement inbox_plans[NUM_STATEMENTS] = {
 		" SET last_error = $3, lease_token = NULL, lease_until = NULL, retry_at = $4, dead_at = $5"
 		" WHERE m.bucket = $1 AND m.id = $2",
 		5, {INT4OID, UUIDOID, TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
+
+	/*
+	 * The messages a token holds the live lease of, among the undone ones:
+	 * the (done_at, dead_at) index finds those without reading the done
+	 * ones, so the cost grows with the backlog, not with the history (an
+	 * index on lease_token would cost every claim its HOT update).
+	 */
+	[ST_EXTEND] = {
+		"UPDATE idempotency.inbox_messages m SET lease_until = $2"
+		" WHERE m.done_at IS NULL AND m.dead_at IS NULL"
+		"   AND m.lease_token = $1 AND m.lease_until > $3",
+		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
 	},
 
 	/*
@@ -741,6 +758,32 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 	}
 	SPI_finish();
 	PG_RETURN_VOID();
+}
+
+/*
+ * idem_inbox_extend(lease_token, lease): prolong the live lease of a token
+ * to lease from now, on its messages not settled yet, and return how many
+ * those are.  A token whose lease expired (its messages may have gone to
+ * another worker) prolongs nothing: 0.
+ */
+Datum
+idem_inbox_extend(PG_FUNCTION_ARGS)
+{
+	int64		lease;
+	TimestampTz now = idem_now();
+	Datum		values[3];
+	uint64		n;
+
+	if (PG_ARGISNULL(0))
+		idem_null_argument("lease_token");
+	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
+	SPI_connect();
+	values[0] = PG_GETARG_DATUM(0);
+	values[1] = TimestampTzGetDatum(now + lease);
+	values[2] = TimestampTzGetDatum(now);
+	n = inbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE);
+	SPI_finish();
+	PG_RETURN_INT32((int32) Min(n, PG_INT32_MAX));
 }
 
 /*---- replay ----*/

@@ -6,35 +6,54 @@
  *
  * A request is a claim in scope 'request:<scope>' (claims.c: the same
  * uniqueness across partitions, concurrency and retention as any claim)
- * plus one row of idempotency.requests, written in the claim's transaction,
- * that holds its state.  begin() claims the key: the first caller inserts
- * the row ('started', attempt 1, under a lease); later callers read it and
- * get the stored response ('completed'), IK002 while another attempt's
- * lease is live (after waiting up to "wait" for it to finish), or take over
- * an expired lease as the next attempt, resuming from the last recovery
- * point.  The attempt number is the only holder identity and the fencing
- * token: every call that acts for an attempt checks it is still current
- * (IK003 if not), and it never repeats for a key, not even after abandon().
+ * plus one row of idempotency.requests that holds its state.  begin()
+ * claims the key and then acts on the key's row: none yet, it inserts it
+ * ('started', attempt 1, under a lease); otherwise it returns the stored
+ * response ('completed'), raises IK002 while another attempt's lease is
+ * live (after waiting up to "wait" for it to finish), or takes over an
+ * expired lease as the next attempt, resuming from the last recovery point.
+ * The attempt number is the only holder identity and the fencing token:
+ * every call that acts for an attempt checks it is still current (IK003 if
+ * not), and it never repeats for a key, not even after abandon().
+ *
+ * A request and its claim live and leave together: a key has at most one
+ * row, and a claim that is new (the key's earlier claim expired or was
+ * released while its row stayed, their partitions being dropped apart) makes
+ * the key new, so begin() starts afresh in that row as the next attempt,
+ * its created_at renewed with the claim's (a row that outlived its claim is
+ * never a second request of the key).  A row that went before its claim is
+ * made again as attempt 1.
+ *
+ * Snapshots.  begin() decides from the row as it is now (read with a fresh
+ * snapshot under REPEATABLE READ and SERIALIZABLE, as the claim's probe
+ * reads claims): the stored response, IK002 or a wait hold under any
+ * snapshot.  Its writes, and the holder's calls, run under the
+ * transaction's snapshot; one that finds the row changed since, or finds no
+ * row where the fresh look finds one it would have acted on, raises 40001
+ * (a retry in a new transaction decides again).  So no snapshot ever makes
+ * a second attempt 1 or runs an effect twice.
  *
  * Locking rules:
  *	- begin() of a new key holds the claim's value lock (claims.c) and then
  *	  the claim itself to commit: concurrent begins of the key wait for that
  *	  transaction and then find its row.
+ *	- A row is only ever inserted under a transaction-level advisory lock on
+ *	  the key, after a fresh look that finds none: of two begins that would
+ *	  make the row, the second sees the first's.
  *	- A takeover and every call of a holder lock the request's row:
- *	  fence() with FOR SHARE, the others by updating it.  So a takeover
- *	  (FOR UPDATE) waits for a fenced transaction of the old holder to end,
+ *	  fence() with FOR SHARE, the others by updating it.  begin()'s update
+ *	  names the row as it saw it (bucket, attempt, status, lease expired), so
+ *	  a takeover waits for a fenced transaction of the old holder to end,
  *	  and then finds, or the holder finds, that the attempt moved on.
- *	- A row whose partition maintenance dropped before the claim expired is
- *	  made again under a transaction-level advisory lock on the key.
  *	- begin() with "wait" polls the row (a live lease is not a lock; the
- *	  holder may be between transactions), sleeping on its latch; it sees
- *	  the holder's commits only at READ COMMITTED.
+ *	  holder may be between transactions), sleeping on its latch.
  *
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
 
 #include "access/table.h"
+#include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "common/sha2.h"
 #include "executor/spi.h"
@@ -45,6 +64,7 @@
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/jsonb.h"
+#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 PG_FUNCTION_INFO_V1(idem_request_begin);
@@ -72,7 +92,6 @@ static const char *const request_columns[Natts_requests] = {
 typedef enum RequestStatement
 {
 	ST_FIND,
-	ST_FIND_FOR_UPDATE,
 	ST_FIND_FOR_SHARE,
 	ST_TAKE_OVER,
 	ST_RESTART,
@@ -83,30 +102,37 @@ typedef enum RequestStatement
 	NUM_STATEMENTS
 } RequestStatement;
 
-#define FIND_COLUMNS \
-	"SELECT status, attempt, lease_until, digest, recovery_point, state, response, response_status" \
-	"  FROM idempotency.requests WHERE scope = $1 AND key = $2"
+#define ROW_COLUMNS \
+	"status, attempt, lease_until, digest, recovery_point, state, response, response_status, bucket"
+#define FIND_ROW \
+	"SELECT " ROW_COLUMNS " FROM idempotency.requests WHERE scope = $1 AND key = $2"
 #define WHERE_HELD \
 	" WHERE scope = $1 AND key = $2 AND status = 'started' AND attempt = $3"
-#define RETURN_ROW \
-	" RETURNING status, attempt, lease_until, digest, recovery_point, state, response, response_status"
+/* the row as begin() saw it ($3 bucket, $4 attempt, $5 status), not live at $6 */
+#define WHERE_AS_SEEN \
+	" WHERE scope = $1 AND key = $2 AND bucket = $3 AND attempt = $4 AND status = $5" \
+	"   AND (status <> 'started' OR lease_until <= $6)"
+#define RETURN_ROW " RETURNING " ROW_COLUMNS
+#define AS_SEEN_TYPES	TEXTOID, TEXTOID, INT4OID, INT4OID, TEXTOID, TIMESTAMPTZOID
 
 static const IdemStatement request_plans[NUM_STATEMENTS] = {
-	[ST_FIND] = {FIND_COLUMNS, 2, {TEXTOID, TEXTOID}},
-	[ST_FIND_FOR_UPDATE] = {FIND_COLUMNS " FOR UPDATE", 2, {TEXTOID, TEXTOID}},
-	[ST_FIND_FOR_SHARE] = {FIND_COLUMNS " FOR SHARE", 2, {TEXTOID, TEXTOID}},
+	[ST_FIND] = {FIND_ROW, 2, {TEXTOID, TEXTOID}},
+	[ST_FIND_FOR_SHARE] = {FIND_ROW " FOR SHARE", 2, {TEXTOID, TEXTOID}},
 	/* the next attempt resumes from the last recovery point */
 	[ST_TAKE_OVER] = {
-		"UPDATE idempotency.requests SET attempt = attempt + 1, lease_until = $3, updated_at = $4"
-		" WHERE scope = $1 AND key = $2" RETURN_ROW,
-		4, {TEXTOID, TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID}},
-	/* after abandon(): afresh, but the attempt number still goes up */
+		"UPDATE idempotency.requests SET attempt = attempt + 1, lease_until = $7, updated_at = $6"
+		WHERE_AS_SEEN RETURN_ROW,
+		7, {AS_SEEN_TYPES, TIMESTAMPTZOID}},
+	/*
+	 * after abandon(), or for a new claim: afresh, but the attempt number
+	 * still goes up; a new claim's time is the row's ($9), else it is kept
+	 */
 	[ST_RESTART] = {
 		"UPDATE idempotency.requests SET status = 'started', attempt = attempt + 1,"
-		"       lease_until = $3, updated_at = $4, digest = $5, recovery_point = NULL,"
-		"       state = NULL, response = NULL, response_status = NULL"
-		" WHERE scope = $1 AND key = $2" RETURN_ROW,
-		5, {TEXTOID, TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID, BYTEAOID}},
+		"       lease_until = $7, updated_at = $6, digest = $8, created_at = coalesce($9, created_at),"
+		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL"
+		WHERE_AS_SEEN RETURN_ROW,
+		9, {AS_SEEN_TYPES, TIMESTAMPTZOID, BYTEAOID, TIMESTAMPTZOID}},
 	[ST_CHECKPOINT] = {
 		"UPDATE idempotency.requests SET recovery_point = $4,"
 		"       state = coalesce($5, state), updated_at = $6" WHERE_HELD,
@@ -135,6 +161,26 @@ static uint64
 request_exec(RequestStatement st, Datum *values, const char *nulls, int expected)
 {
 	return idem_statement_exec(&request_plans[st], &prepared[st], values, nulls, expected);
+}
+
+/*
+ * Run a statement that reads the row as it is now: under a snapshot taken
+ * now, which at READ COMMITTED is what every statement gets anyway.
+ */
+static uint64
+request_exec_fresh(RequestStatement st, Datum *values, const char *nulls, int expected)
+{
+	int			rc;
+
+	if (!IsolationUsesXactSnapshot())
+		return request_exec(st, values, nulls, expected);
+	rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
+							  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
+							  false, false, 0);
+	if (rc != expected)
+		elog(ERROR, "SPI_execute_snapshot failed (%s): %s",
+			 SPI_result_code_string(rc), request_plans[st].sql);
+	return SPI_processed;
 }
 
 /*---- arguments ----*/
@@ -207,6 +253,11 @@ typedef enum RequestStatus
 	REQ_ABANDONED
 } RequestStatus;
 
+static const char *const status_names[] = {
+	[REQ_NONE] = "none", [REQ_STARTED] = "started",
+	[REQ_COMPLETED] = "completed", [REQ_ABANDONED] = "abandoned"
+};
+
 typedef struct RequestRow
 {
 	RequestStatus status;
@@ -221,9 +272,10 @@ typedef struct RequestRow
 	bool		response_null;
 	Datum		response_status;
 	bool		response_status_null;
+	int32		bucket;			/* the partition it is in */
 } RequestRow;
 
-/* Read the first row of SPI's result (in FIND_COLUMNS' order) into row. */
+/* Read the first row of SPI's result (in ROW_COLUMNS' order) into row. */
 static void
 read_row(RequestRow *row)
 {
@@ -263,28 +315,62 @@ read_row(RequestRow *row)
 	if (!row->response_null)
 		row->response = SPI_datumTransfer(row->response, false, -1);
 	row->response_status = SPI_getbinval(tup, desc, 8, &row->response_status_null);
+	row->bucket = DatumGetInt32(SPI_getbinval(tup, desc, 9, &isnull));
 }
 
+/* The key's row as it is now (see request_exec_fresh). */
 static void
-find_row(RequestStatement st, RequestKey *rk, RequestRow *row)
+find_row(RequestKey *rk, RequestRow *row)
 {
 	Datum		values[2] = {PointerGetDatum(rk->scope), PointerGetDatum(rk->key)};
 
-	(void) request_exec(st, values, NULL, SPI_OK_SELECT);
+	(void) request_exec_fresh(ST_FIND, values, NULL, SPI_OK_SELECT);
+	read_row(row);
+}
+
+/* The key's row, locked FOR SHARE to the end of the transaction. */
+static void
+share_row(RequestKey *rk, RequestRow *row)
+{
+	Datum		values[2] = {PointerGetDatum(rk->scope), PointerGetDatum(rk->key)};
+
+	(void) request_exec(ST_FIND_FOR_SHARE, values, NULL, SPI_OK_SELECT);
 	read_row(row);
 }
 
 /*
- * IK003: the attempt a holder acts for is not current, or the request is not
- * started.  Reads the row for the detail.
+ * 40001: a statement of this transaction found the row otherwise than it is
+ * now (changed since its snapshot, or not there for it).
  */
 static void
-lease_lost(RequestKey *rk, int32 attempt, bool have_attempt)
+request_changed(RequestKey *rk)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("could not serialize access to request \"%s\" in scope \"%s\"",
+					rk->key_str, rk->scope_str),
+			 errdetail("Another transaction changed the request, and this transaction's snapshot does not show the change."),
+			 errhint("Retry the transaction.")));
+}
+
+/*
+ * A holder's statement (st, for attempt, or for whichever is current if
+ * attempt_null) found nothing to act on: 40001 if the row as it is now is
+ * one it acts on (its snapshot could not see it so), else IK003 -- or
+ * nothing, for abandon() without an attempt of a key that has no row.
+ */
+static void
+holder_missed(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null)
 {
 	RequestRow	row;
 	const char *state;
 
-	find_row(ST_FIND, rk, &row);
+	find_row(rk, &row);
+	if (row.status != REQ_NONE && (attempt_null || row.attempt == attempt) &&
+		(st == ST_ABANDON || row.status == REQ_STARTED))
+		request_changed(rk);
+	if (st == ST_ABANDON && attempt_null)
+		return;					/* nothing to forget */
 	state = row.status == REQ_NONE ? "was never begun (or has expired)" :
 		row.status == REQ_COMPLETED ? "is completed" :
 		row.status == REQ_ABANDONED ? "was abandoned" : NULL;
@@ -296,7 +382,7 @@ lease_lost(RequestKey *rk, int32 attempt, bool have_attempt)
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_LEASE_LOST),
 			 errmsg("attempt %d of request \"%s\" in scope \"%s\" is no longer current",
-					have_attempt ? attempt : 0, rk->key_str, rk->scope_str),
+					attempt_null ? 0 : attempt, rk->key_str, rk->scope_str),
 			 errdetail("Attempt %d holds the request now.", row.attempt),
 			 errhint("Stop this attempt's work: its effects must not commit.")));
 }
@@ -377,7 +463,7 @@ nap(long ms)
 	CHECK_FOR_INTERRUPTS();
 }
 
-/* Take the lock that serializes making a row again for a claimed key. */
+/* Take the lock under which a key's row is made. */
 static void
 lock_key(RequestKey *rk)
 {
@@ -406,6 +492,43 @@ begin_fresh(RequestKey *rk, bytea *digest, int64 lease, RequestRow *out)
 }
 
 /*
+ * Make the row as seen ("seen", not live at "now") the next attempt: st is
+ * ST_TAKE_OVER (resume) or ST_RESTART (afresh, with this digest, and if
+ * anew the claim's time as created_at).  False if the row is not as seen
+ * any more (decide again); 40001 if this transaction's snapshot cannot
+ * see it as seen.
+ */
+static bool
+next_attempt(RequestKey *rk, RequestRow *seen, RequestStatement st, bytea *digest, bool anew,
+			 TimestampTz now, int64 lease, RequestRow *out)
+{
+	Datum		values[9];
+	char		nulls[10] = "         ";
+
+	values[0] = PointerGetDatum(rk->scope);
+	values[1] = PointerGetDatum(rk->key);
+	values[2] = Int32GetDatum(seen->bucket);
+	values[3] = Int32GetDatum(seen->attempt);
+	values[4] = CStringGetTextDatum(status_names[seen->status]);
+	values[5] = TimestampTzGetDatum(now);
+	values[6] = TimestampTzGetDatum(now + lease);
+	values[7] = PointerGetDatum(digest);
+	nulls[7] = digest == NULL ? 'n' : ' ';
+	values[8] = TimestampTzGetDatum(now);
+	nulls[8] = anew ? ' ' : 'n';
+	if (request_exec(st, values, nulls, SPI_OK_UPDATE_RETURNING) == 0)
+	{
+		/* at READ COMMITTED the update saw the row as it is now */
+		if (IsolationUsesXactSnapshot())
+			request_changed(rk);
+		return false;
+	}
+	read_row(out);
+	out->response_null = out->response_status_null = true;
+	return true;
+}
+
+/*
  * The outcome of begin(): fills row with what it returns.  The caller is
  * connected to SPI.
  */
@@ -415,7 +538,8 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 	bytea	   *digest = NULL;
 	TimestampTz deadline = GetCurrentTimestamp() + wait;
 	long		pause = WAIT_FIRST_MS;
-	TimestampTz now;
+	bool		claimed;
+	bool		locked = false;
 
 	if (payload != NULL)
 	{
@@ -424,30 +548,35 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 		idem_payload_digest(payload, (uint8 *) VARDATA(digest));
 	}
 
-	if (idem_claim_key(rk->claim_scope, rk->key, NULL, "idem_request_begin()"))
-	{
-		begin_fresh(rk, digest, lease, out);
-		return;
-	}
+	/* a new claim: the key is new, whatever is left of an earlier request */
+	claimed = idem_claim_key(rk->claim_scope, rk->key, NULL, "idem_request_begin()");
 
 	for (;;)
 	{
+		TimestampTz now = idem_now();
 		RequestRow	row;
-		Datum		values[5];
-		RequestStatement st;
+		bool		live;
 
-		now = idem_now();
-		find_row(ST_FIND, rk, &row);
+		find_row(rk, &row);
 		if (row.status == REQ_NONE)
 		{
-			/* claimed, but its row expired first: make it again, once */
-			lock_key(rk);
-			find_row(ST_FIND, rk, &row);
-			if (row.status == REQ_NONE)
+			/* a new key, or its row expired first: make it, once */
+			if (!locked)
 			{
-				begin_fresh(rk, digest, lease, out);
-				return;
+				lock_key(rk);
+				locked = true;
+				continue;		/* and look again */
 			}
+			begin_fresh(rk, digest, lease, out);
+			return;
+		}
+		live = row.status == REQ_STARTED && row.lease_until > now;
+		if (claimed && !live)
+		{
+			/* what is left of an expired request: start afresh in its row */
+			if (next_attempt(rk, &row, ST_RESTART, digest, true, now, lease, out))
+				return;
+			continue;
 		}
 		if (row.status != REQ_ABANDONED && !same_payload(row.digest, digest))
 			key_reused(rk);
@@ -456,7 +585,7 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 			*out = row;
 			return;
 		}
-		if (row.status == REQ_STARTED && row.lease_until > now)
+		if (live)
 		{
 			TimestampTz clock = GetCurrentTimestamp();
 
@@ -468,29 +597,13 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 		}
 
 		/*
-		 * An expired lease, or an abandoned request: lock the row (waiting
-		 * for a fenced transaction of the old holder) and look again.
+		 * An expired lease, or an abandoned request.  The update waits for
+		 * a fenced transaction of the old holder, and then finds whether
+		 * the row is still as seen.
 		 */
-		find_row(ST_FIND_FOR_UPDATE, rk, &row);
-		now = idem_now();
-		if (row.status == REQ_NONE ||
-			(row.status == REQ_STARTED && row.lease_until > now) ||
-			row.status == REQ_COMPLETED)
-			continue;			/* it moved on meanwhile: decide again */
-		if (row.status != REQ_ABANDONED && !same_payload(row.digest, digest))
-			key_reused(rk);
-		values[0] = PointerGetDatum(rk->scope);
-		values[1] = PointerGetDatum(rk->key);
-		values[2] = TimestampTzGetDatum(now + lease);
-		values[3] = TimestampTzGetDatum(now);
-		values[4] = PointerGetDatum(digest);
-		st = row.status == REQ_ABANDONED ? ST_RESTART : ST_TAKE_OVER;
-		if (request_exec(st, values, digest == NULL ? "    n" : NULL,
-						 SPI_OK_UPDATE_RETURNING) != 1)
-			elog(ERROR, "request row vanished while locked");
-		read_row(out);
-		out->response_null = out->response_status_null = true;
-		return;
+		if (next_attempt(rk, &row, row.status == REQ_ABANDONED ? ST_RESTART : ST_TAKE_OVER,
+						 digest, false, now, lease, out))
+			return;
 	}
 }
 
@@ -545,23 +658,21 @@ idem_request_begin(PG_FUNCTION_ARGS)
 
 /*
  * Run an UPDATE that acts for an attempt (or, attempt_null, for whichever
- * is current); IK003 if it matched no row, unless missing_ok.
+ * is current); see holder_missed() if it matched no row.
  */
 static void
 holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null,
-			  Datum *values, char *nulls, bool missing_ok)
+			  Datum *values, char *nulls)
 {
 	int			nestlevel = idem_pin_search_path();
-	uint64		n;
 
 	SPI_connect();
 	values[0] = PointerGetDatum(rk->scope);
 	values[1] = PointerGetDatum(rk->key);
 	values[2] = Int32GetDatum(attempt);
 	nulls[2] = attempt_null ? 'n' : ' ';
-	n = request_exec(st, values, nulls, SPI_OK_UPDATE);
-	if (n == 0 && !missing_ok)
-		lease_lost(rk, attempt, !attempt_null);
+	if (request_exec(st, values, nulls, SPI_OK_UPDATE) == 0)
+		holder_missed(st, rk, attempt, attempt_null);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 }
@@ -586,7 +697,7 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 	values[3] = PG_GETARG_DATUM(3);
 	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
-	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls, false);
+	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls);
 	PG_RETURN_VOID();
 }
 
@@ -608,9 +719,9 @@ idem_request_fence(PG_FUNCTION_ARGS)
 	PreventCommandIfReadOnly("idem_request_fence()");
 	nestlevel = idem_pin_search_path();
 	SPI_connect();
-	find_row(ST_FIND_FOR_SHARE, &rk, &row);
+	share_row(&rk, &row);
 	if (row.status != REQ_STARTED || row.attempt != attempt)
-		lease_lost(&rk, attempt, true);
+		holder_missed(ST_FIND_FOR_SHARE, &rk, attempt, false);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
 	PG_RETURN_VOID();
@@ -632,7 +743,7 @@ idem_request_extend(PG_FUNCTION_ARGS)
 	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
 	values[3] = TimestampTzGetDatum(now + lease);
 	values[4] = TimestampTzGetDatum(now);
-	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls, false);
+	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls);
 	PG_RETURN_VOID();
 }
 
@@ -655,7 +766,7 @@ idem_request_complete(PG_FUNCTION_ARGS)
 	nullable_arg(fcinfo, 2, &values[3], &nulls[3]);
 	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
-	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls, false);
+	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls);
 	idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_COMPLETED, 1);
 	PG_RETURN_VOID();
 }
@@ -677,6 +788,6 @@ idem_request_abandon(PG_FUNCTION_ARGS)
 	attempt = optional_attempt_arg(fcinfo, 2);
 	values[3] = TimestampTzGetDatum(idem_now());
 	/* nothing to forget is fine, but not an attempt that is not the latest */
-	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), values, nulls, PG_ARGISNULL(2));
+	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), values, nulls);
 	PG_RETURN_VOID();
 }

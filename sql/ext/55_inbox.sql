@@ -105,6 +105,10 @@ CREATE FUNCTION idem_inbox_fail(id uuid, error text, retry_after interval DEFAUL
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_inbox_fail' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
+CREATE FUNCTION idem_inbox_extend(lease_token uuid, lease interval)
+    RETURNS integer
+    AS 'MODULE_PATHNAME', 'idem_inbox_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
 CREATE FUNCTION idem_inbox_replay(source text, since timestamptz, until timestamptz DEFAULT now())
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_inbox_replay' LANGUAGE C VOLATILE PARALLEL UNSAFE;
@@ -117,6 +121,8 @@ COMMENT ON FUNCTION idem_inbox_done(uuid[], uuid) IS
     'mark messages processed (nothing, for those whose lease the token no longer holds)';
 COMMENT ON FUNCTION idem_inbox_fail(uuid, text, interval, uuid) IS
     'record a failed attempt; retried after retry_after or a backoff, dead after inbox_max_attempts';
+COMMENT ON FUNCTION idem_inbox_extend(uuid, interval) IS
+    'prolong the live lease of a token; returns how many messages it covers (0 once it expired)';
 COMMENT ON FUNCTION idem_inbox_replay(text, timestamptz, timestamptz) IS
     'make processed and dead messages of a source received in [since, until) claimable again';
 

@@ -7,7 +7,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
-SELECT plan(38);
+SELECT plan(41);
 
 -- objects
 SELECT has_table('idempotency', 'requests', 'table idempotency.requests exists');
@@ -70,6 +70,16 @@ SELECT is((SELECT status || '/' || attempt FROM idem_request_begin('t-1', 'tap',
           'after abandon: started afresh, with a new payload, as the next attempt');
 SELECT throws_ok($$SELECT idem_request_checkpoint('t-1', 'tap', 1, 'late')$$, 'IK003', NULL,
                  'the abandoned attempt is fenced off');
+-- a request and its claim leave together: once the claim is gone (released
+-- here, or past its retention) the key is new, and begin starts it afresh in
+-- the row it still has, as the next attempt
+SELECT lives_ok($$SELECT idem_request_complete('t-1', 'tap', '{"n": 2}', 2)$$, 'attempt 2 completes');
+SELECT ok(idem_release('t-1', 'request:tap'), 'the claim of the request is released');
+SELECT results_eq($$SELECT status, response, attempt, recovery_point,
+                           (SELECT count(*)::int FROM idempotency.requests WHERE key = 't-1')
+                      FROM idem_request_begin('t-1', 'tap', '{"a": 4}')$$,
+                  $$VALUES ('started'::text, NULL::jsonb, 3, NULL::text, 1)$$,
+                  'a new claim starts the key afresh in its one row, as attempt 3');
 
 -- bad input
 SELECT throws_ok($$SELECT * FROM idem_request_begin(NULL)$$, '22004', NULL, 'NULL key: 22004');

@@ -13,7 +13,9 @@
 # transaction: the effect (a row per message in stress_effects) and
 # idem_inbox_done with the lease token, rolled back if done did not mark
 # the whole batch.  Worker 3 sometimes sleeps past its lease before
-# processing (its done must mark nothing, and its effects roll back).
+# processing (its done must mark nothing, and its effects roll back);
+# worker 2 sometimes works past its lease too, but extends it by 10 s
+# half-way (idem_inbox_extend), so its done marks the whole batch.
 # idem_maintain() runs every half second with 1-second partitions.  After
 # the receivers stop, the workers drain the inbox.
 # Checks:
@@ -30,7 +32,9 @@
 #     was written after the commit of seq n-1's);
 #   - every claim: one lease token and lease_until, at most the batch; a
 #     claim never held two messages of one key out of seq order;
-#   - worker 3's late done returned 0 at least once (stale leases happened).
+#   - worker 3's late done returned 0 at least once (stale leases happened);
+#   - worker 2 extended leases, and every batch whose whole lease it
+#     extended was marked done in full.
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (superuser: it sets
 # idempotency.debug_clock_offset); run by test/run-tests (part "stress") in
 # an empty database.
@@ -85,6 +89,9 @@ CREATE TABLE stress_claims (worker int NOT NULL, ord bigint NOT NULL, id uuid NO
 -- what each done returned, and the failed batches (marked -1)
 CREATE TABLE stress_done (worker int NOT NULL, lease_token uuid NOT NULL, sent int NOT NULL, marked int NOT NULL,
                           at timestamptz NOT NULL DEFAULT stress_now());
+-- worker 2's extends: the batch's size, and what the extend covered
+CREATE TABLE stress_extends (worker int NOT NULL, lease_token uuid NOT NULL, sent int NOT NULL, covered int NOT NULL,
+                             at timestamptz NOT NULL DEFAULT stress_now());
 -- each worker's current batch
 CREATE UNLOGGED TABLE worker_batch (worker int NOT NULL, ord bigint NOT NULL, id uuid NOT NULL,
                                     message_id text NOT NULL, payload jsonb NOT NULL, lease_token uuid NOT NULL);
@@ -125,6 +132,12 @@ INSERT INTO stress_done (worker, lease_token, sent, marked) SELECT :w::int, :tok
 \if :w = 3 AND :late <= 10
 \sleep 2500 ms
 \endif
+\if :w = 2 AND :late <= 10
+\sleep 1200 ms
+INSERT INTO stress_extends (worker, lease_token, sent, covered)
+VALUES (:w::int, :tok::uuid, :n, idem_inbox_extend(:tok::uuid, '10 seconds'));
+\sleep 1200 ms
+\endif
 BEGIN;
 INSERT INTO stress_effects (worker, lease_token, id, message_id, ordering_key, seq, payload)
 SELECT :w::int, b.lease_token, b.id, b.message_id, m.ordering_key, m.seq, b.payload
@@ -163,7 +176,8 @@ bg_pids+=($!)
 
 WORKER_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is processed
 echo "inbox stress: $CLIENTS receivers for ${SECONDS_RUN}s on $NMSG message ids ($NKEYS ordering keys), $ROLLBACK_PCT % rollbacks;"
-echo "  3 workers (batch $BATCH, lease $LEASE, $FAIL_PCT % failed batches, worker 3 sometimes late) until all is processed"
+echo "  3 workers (batch $BATCH, lease $LEASE, $FAIL_PCT % failed batches, worker 3 sometimes late, worker 2"
+echo "  sometimes slow but extending its lease) until all is processed"
 worker 1 "$WORKER_SECS" worker1.out; w1=$!
 worker 2 "$WORKER_SECS" worker2.out; w2=$!
 worker 3 "$WORKER_SECS" worker3.out; w3=$!
@@ -199,7 +213,7 @@ if [[ -s $tmp/maintain.err ]]; then
     fail "idem_maintain() failed during the run"
 fi
 
-read -r receives stored dups messages keyed parts claims fails late <<<"$(sql -F ' ' -c "
+read -r receives stored dups messages keyed parts claims fails late extends extended <<<"$(sql -F ' ' -c "
 SELECT (SELECT count(*) FROM stress_received),
        (SELECT count(*) FROM stress_received WHERE got),
        (SELECT count(*) FROM stress_received WHERE NOT got),
@@ -208,9 +222,12 @@ SELECT (SELECT count(*) FROM stress_received),
        (SELECT count(DISTINCT tableoid) FROM idempotency.inbox_messages),
        (SELECT count(DISTINCT lease_token) FROM stress_claims),
        (SELECT count(*) FROM idempotency.inbox_messages WHERE attempts > 1),
-       (SELECT count(*) FROM stress_done WHERE worker = 3 AND marked = 0)")"
+       (SELECT count(*) FROM stress_done WHERE worker = 3 AND marked = 0),
+       (SELECT count(*) FROM stress_extends),
+       (SELECT count(*) FROM stress_extends WHERE covered = sent)")"
 echo "committed receives: $receives ($stored stored, $dups duplicates); messages: $messages ($keyed with an ordering key) in $parts partitions"
 echo "claims: $claims; messages handed out more than once: $fails; worker 3's done that marked nothing: $late"
+echo "worker 2's extends: $extends, $extended of them while its whole batch was still leased"
 
 [[ $stored -ge 500 ]] || fail "only $stored messages stored: too few to mean anything"
 [[ $dups -gt 0 ]] || fail "no duplicate was received"
@@ -220,6 +237,7 @@ processed=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\
 [[ $parts -ge 3 ]] || fail "messages landed in $parts partition(s), expected several (1-second partitions)"
 [[ $fails -gt 0 ]] || fail "no message was handed out twice (failures and late workers should cause that)"
 [[ $late -gt 0 ]] || echo "note: worker 3 was never late past its lease in this run"
+[[ $extended -gt 0 ]] || fail "worker 2 never extended the lease of a whole batch"
 
 expect_zero "message ids received (true, committed) more than once" \
     "SELECT count(*) FROM (SELECT message_id FROM stress_received WHERE got GROUP BY 1 HAVING count(*) > 1) x"
@@ -254,6 +272,14 @@ expect_zero "effects with another message, key, seq or payload than the stored m
 expect_zero "messages not done, dead, leased or waiting at the end" \
     "SELECT count(*) FROM idempotency.inbox_messages
       WHERE done_at IS NULL OR dead_at IS NOT NULL OR lease_token IS NOT NULL OR retry_at IS NOT NULL"
+expect_zero "batches whose whole lease worker 2 extended that its done did not mark in full" \
+    "SELECT count(*) FROM stress_extends e WHERE e.covered = e.sent AND NOT EXISTS (
+       SELECT FROM stress_done d WHERE d.lease_token = e.lease_token AND d.marked = e.sent)" \
+    "SELECT e.sent, e.covered, e.at AS extended_at, d.marked, d.at AS done_at,
+            (SELECT min(lease_until) FROM stress_claims c WHERE c.lease_token = e.lease_token) AS claimed_until
+       FROM stress_extends e LEFT JOIN stress_done d USING (lease_token)
+      WHERE e.covered = e.sent AND NOT EXISTS (
+            SELECT FROM stress_done d WHERE d.lease_token = e.lease_token AND d.marked = e.sent)"
 expect_zero "a claim now still returns messages" "SELECT count(*) FROM idem_inbox_claim(1000, '1 second')"
 # effects of one key in seq order: the transaction that processed seq n
 # saw the one that processed seq n-1 committed (in its snapshot), unless

@@ -2,7 +2,9 @@
 #   wait   a begin with "wait" that finds another attempt's live lease
 #          returns the stored response as soon as the holder completes, or
 #          takes over when the lease runs out during the wait, or raises
-#          IK002 (with the lease left) when the wait runs out first;
+#          IK002 (with the lease left) when the wait runs out first; under
+#          REPEATABLE READ too, whose snapshot never shows the completion
+#          (begin reads the row as it is now);
 #   crash  after a crash (stop -m immediate), committed begins and
 #          checkpoints hold and in-flight ones are gone: a begin that had
 #          not committed leaves the key free, an uncommitted checkpoint is
@@ -84,6 +86,22 @@ like($err, qr/IK002/, 'a wait that runs out first ends in IK002');
 like($err, qr/The lease of attempt 1 ends in 5\d\.\d{3} seconds\./, '... with the lease left in the detail');
 cmp_ok($took, '>=', 1.4, '... after the whole wait');
 
+# 4. under REPEATABLE READ, with a snapshot from before the completion: the
+# waiter still replays the response as soon as the holder completes
+sql("SELECT idem_request_begin('w4', 'api', lease => '1 minute')");
+my $w4 = bg_psql($node, $db, 'w4', $timer, '\set ON_ERROR_STOP 0');
+$t0 = time;
+bg_feed($w4, "BEGIN ISOLATION LEVEL REPEATABLE READ;\nSELECT count(*) FROM idempotency.requests;\n"
+	  . "SELECT status || ':' || attempt || ':' || coalesce(response::text, '')"
+	  . " FROM idem_request_begin('w4', 'api', wait => '30 seconds');\n\\echo w4-done\nCOMMIT;");
+sleep 1;
+ok(still_waiting('w4'), 'a begin with a wait under REPEATABLE READ waits for a live lease');
+sql(q{SELECT idem_request_complete('w4', 'api', '{"id": "r4"}', 1, 201)});
+like(finish($w4, 'w4-done'), qr/^completed:1:\{"id": "r4"\}$/m,
+	'... and replays the response its snapshot cannot see once the holder completes');
+cmp_ok(time - $t0, '<', 10, '... soon after the completion, not at the end of the wait');
+$w4->{h}->finish;
+
 # ---------------- crash ----------------
 sql(q{
 SELECT idem_request_begin('c1', 'api', lease => '1 minute');
@@ -115,8 +133,8 @@ is(sql(q{SET idempotency.debug_clock_offset = 120;
 SET lock_timeout = '5s';
 SELECT status || ':' || attempt FROM idem_request_begin('c3', 'api')}),
 	'started:2', 'a fenced transaction in flight at the crash holds no takeover back');
-is(sql(q{SELECT count(*) || ':' || count(DISTINCT (scope, key)) FROM idempotency.requests}), '6:6',
-	'one row per request (w1-w3, c1-c3), none doubled');
+is(sql(q{SELECT count(*) || ':' || count(DISTINCT (scope, key)) FROM idempotency.requests}), '7:7',
+	'one row per request (w1-w4, c1-c3), none doubled');
 
 $node->stop;
 done_testing();
