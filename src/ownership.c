@@ -52,25 +52,44 @@
 
 PG_FUNCTION_INFO_V1(idem_relation_distrust_sql);
 
+/* A scan of one catalog for the rows whose OID column attno is key. */
+typedef struct CatalogScan
+{
+	Relation	rel;
+	SysScanDesc scan;
+} CatalogScan;
+
+static void
+catalog_scan_begin(CatalogScan *cs, Oid catalog, Oid index, AttrNumber attno, Oid key)
+{
+	ScanKeyData skey;
+
+	cs->rel = table_open(catalog, AccessShareLock);
+	ScanKeyInit(&skey, attno, BTEqualStrategyNumber, F_OIDEQ, ObjectIdGetDatum(key));
+	cs->scan = systable_beginscan(cs->rel, index, true, NULL, 1, &skey);
+}
+
+static void
+catalog_scan_end(CatalogScan *cs)
+{
+	systable_endscan(cs->scan);
+	table_close(cs->rel, AccessShareLock);
+}
+
 /* The role that owns extension "idempotency" (pg_extension.extowner). */
 Oid
 idem_extension_owner(void)
 {
-	Oid			extid = get_extension_oid("idempotency", false);
-	Relation	rel = table_open(ExtensionRelationId, AccessShareLock);
-	ScanKeyData key;
-	SysScanDesc scan;
+	CatalogScan cs;
 	HeapTuple	tup;
 	Oid			owner = InvalidOid;
 
-	ScanKeyInit(&key, Anum_pg_extension_oid, BTEqualStrategyNumber, F_OIDEQ,
-				ObjectIdGetDatum(extid));
-	scan = systable_beginscan(rel, ExtensionOidIndexId, true, NULL, 1, &key);
-	tup = systable_getnext(scan);
+	catalog_scan_begin(&cs, ExtensionRelationId, ExtensionOidIndexId, Anum_pg_extension_oid,
+					   get_extension_oid("idempotency", false));
+	tup = systable_getnext(cs.scan);
 	if (HeapTupleIsValid(tup))
 		owner = ((Form_pg_extension) GETSTRUCT(tup))->extowner;
-	systable_endscan(scan);
-	table_close(rel, AccessShareLock);
+	catalog_scan_end(&cs);
 	if (!OidIsValid(owner))
 		elog(ERROR, "extension \"idempotency\" has no owner");
 	return owner;
@@ -80,19 +99,15 @@ idem_extension_owner(void)
 static bool
 is_child_of(Oid relid, Oid parent)
 {
-	Relation	rel = table_open(InheritsRelationId, AccessShareLock);
-	ScanKeyData key;
-	SysScanDesc scan;
+	CatalogScan cs;
 	HeapTuple	tup;
 	bool		found = false;
 
-	ScanKeyInit(&key, Anum_pg_inherits_inhrelid, BTEqualStrategyNumber, F_OIDEQ,
-				ObjectIdGetDatum(relid));
-	scan = systable_beginscan(rel, InheritsRelidSeqnoIndexId, true, NULL, 1, &key);
-	while (!found && HeapTupleIsValid(tup = systable_getnext(scan)))
+	catalog_scan_begin(&cs, InheritsRelationId, InheritsRelidSeqnoIndexId,
+					   Anum_pg_inherits_inhrelid, relid);
+	while (!found && HeapTupleIsValid(tup = systable_getnext(cs.scan)))
 		found = ((Form_pg_inherits) GETSTRUCT(tup))->inhparent == parent;
-	systable_endscan(scan);
-	table_close(rel, AccessShareLock);
+	catalog_scan_end(&cs);
 	return found;
 }
 
@@ -100,23 +115,18 @@ is_child_of(Oid relid, Oid parent)
 static Oid
 code_bearing_index(Oid relid)
 {
-	Relation	rel = table_open(IndexRelationId, AccessShareLock);
-	ScanKeyData key;
-	SysScanDesc scan;
+	CatalogScan cs;
 	HeapTuple	tup;
 	Oid			found = InvalidOid;
 
-	ScanKeyInit(&key, Anum_pg_index_indrelid, BTEqualStrategyNumber, F_OIDEQ,
-				ObjectIdGetDatum(relid));
-	scan = systable_beginscan(rel, IndexIndrelidIndexId, true, NULL, 1, &key);
-	while (!OidIsValid(found) && HeapTupleIsValid(tup = systable_getnext(scan)))
+	catalog_scan_begin(&cs, IndexRelationId, IndexIndrelidIndexId, Anum_pg_index_indrelid, relid);
+	while (!OidIsValid(found) && HeapTupleIsValid(tup = systable_getnext(cs.scan)))
 	{
 		if (!heap_attisnull(tup, Anum_pg_index_indexprs, NULL) ||
 			!heap_attisnull(tup, Anum_pg_index_indpred, NULL))
 			found = ((Form_pg_index) GETSTRUCT(tup))->indexrelid;
 	}
-	systable_endscan(scan);
-	table_close(rel, AccessShareLock);
+	catalog_scan_end(&cs);
 	return found;
 }
 
