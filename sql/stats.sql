@@ -99,6 +99,8 @@ SET ROLE idem_monitor;
 SELECT count(*) > 0 AS monitor_reads_stats FROM idempotency.stats;
 SELECT count(*) AS monitor_reads_consumers FROM idempotency.consumers;
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.claims$$);
+SELECT count(*) > 0 AS monitor_reads_partitions FROM idempotency.partitions;
+SELECT pg_temp.try($$SELECT idempotency.outbox_partition_pinned('idempotency.settings')$$) AS monitor_may_ask_pinned;
 RESET ROLE;
 SET ROLE idem_nobody;
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats$$);
@@ -108,6 +110,9 @@ SELECT pg_temp.try($$SELECT idem_stats_reset()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats_rows()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.live_scopes()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats_counters()$$);
+-- nor which partitions hold pending work
+SELECT pg_temp.try($$SELECT idempotency.outbox_partition_pinned('idempotency.settings')$$);
+SELECT pg_temp.try($$SELECT idempotency.inbox_partition_pinned('idempotency.settings')$$);
 RESET ROLE;
 DROP OWNED BY idem_monitor, idem_nobody;
 DROP ROLE idem_monitor, idem_nobody;

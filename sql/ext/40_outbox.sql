@@ -216,3 +216,6 @@ END
 $$;
 COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
     'true if an outbox partition holds an undelivered or dead-lettered event (NULL: not a partition as the extension makes them)';
+-- Which partitions hold pending work is the monitoring's business.
+REVOKE ALL ON FUNCTION idempotency.outbox_partition_pinned(regclass) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.outbox_partition_pinned(regclass) TO pg_monitor;

@@ -123,7 +123,8 @@ COMMENT ON FUNCTION idem_inbox_replay(text, timestamptz, timestamptz) IS
 -- True if a partition holds a message that is not done (pending, leased,
 -- waiting for a retry or dead), so maintenance must keep it; NULL for a
 -- table that is no inbox partition, or one not as we made it.  Runs as the
--- extension's owner, like outbox_partition_pinned().
+-- extension's owner, like outbox_partition_pinned(), and like it is closed
+-- to PUBLIC.
 CREATE FUNCTION idempotency.inbox_partition_pinned(part regclass)
     RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER
@@ -146,3 +147,5 @@ END
 $$;
 COMMENT ON FUNCTION idempotency.inbox_partition_pinned(regclass) IS
     'true if an inbox partition holds a message that is not done (NULL: not a partition as the extension makes them)';
+REVOKE ALL ON FUNCTION idempotency.inbox_partition_pinned(regclass) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.inbox_partition_pinned(regclass) TO pg_monitor;
