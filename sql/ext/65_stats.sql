@@ -33,19 +33,19 @@ COMMENT ON FUNCTION idempotency.stats_counters() IS
 CREATE FUNCTION idempotency.stats_info(
         OUT preloaded boolean, OUT max_scopes integer, OUT scopes_tracked integer,
         OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz,
-        OUT last_maintenance timestamptz)
+        OUT last_maintenance timestamptz, OUT database_scopes integer, OUT fair_share integer)
     RETURNS record
     AS 'MODULE_PATHNAME', 'idem_stats_info' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.stats_info() IS
-    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round';
+    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round, the rows it holds and the fair share it may keep';
 
-CREATE FUNCTION idem_stats_reset()
+CREATE FUNCTION idem_stats_reset(all_databases boolean DEFAULT false)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_stats_reset' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-COMMENT ON FUNCTION idem_stats_reset() IS
-    'start this database''s idempotency.stats counters afresh';
+COMMENT ON FUNCTION idem_stats_reset(boolean) IS
+    'start this database''s idempotency.stats counters afresh (every database''s: all_databases, superuser only)';
 -- Resetting is an operator's business, like pg_stat_reset().
-REVOKE ALL ON FUNCTION idem_stats_reset() FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_stats_reset(boolean) FROM PUBLIC;
 
 -- Per scope: what the claims of the partitions sealed so far held.  The
 -- maintenance round adds a partition here in the same transaction that

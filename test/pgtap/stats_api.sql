@@ -9,7 +9,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
-SELECT plan(22);
+SELECT plan(24);
 
 -- objects and columns, in the order SPEC §6 writes them
 SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
@@ -34,9 +34,11 @@ SELECT ok((SELECT 'idempotency.scope_history'::regclass::oid = ANY (extconfig) F
             WHERE extname = 'idempotency'), 'scope_history is dumped by pg_dump');
 
 -- idem_stats_reset(): a superuser's (or a grantee's) business
-SELECT has_function('idem_stats_reset', ARRAY[]::text[], 'idem_stats_reset() exists');
-SELECT function_returns('idem_stats_reset', ARRAY[]::text[], 'void', 'idem_stats_reset() returns void');
-SELECT ok(NOT has_function_privilege('public', 'idem_stats_reset()', 'EXECUTE'),
+SELECT has_function('idem_stats_reset', ARRAY['boolean'], 'idem_stats_reset(all_databases boolean) exists');
+SELECT function_returns('idem_stats_reset', ARRAY['boolean'], 'void', 'idem_stats_reset() returns void');
+SELECT is((SELECT pg_get_function_arguments('idem_stats_reset(boolean)'::regprocedure)),
+          'all_databases boolean DEFAULT false', 'idem_stats_reset resets this database by default');
+SELECT ok(NOT has_function_privilege('public', 'idem_stats_reset(boolean)', 'EXECUTE'),
           'PUBLIC may not reset the counters');
 SELECT ok(NOT has_function_privilege('public', 'idempotency.stats_rows()', 'EXECUTE')
           AND NOT has_function_privilege('public', 'idempotency.live_scopes()', 'EXECUTE'),
@@ -79,6 +81,10 @@ SELECT is((SELECT format('%s|%s|%s|%s', scope, claims, duplicates, stats_reset)
 SELECT is((SELECT claims FROM idempotency.consumers WHERE scope = 'pgtap-scope'), 1::bigint,
           'consumers lists the scope');
 SELECT is((SELECT preloaded FROM idempotency.stats_info()), false, 'stats_info: not preloaded');
+SELECT is(ARRAY(SELECT unnest(proargnames) FROM pg_proc WHERE oid = 'idempotency.stats_info()'::regprocedure),
+          ARRAY['preloaded', 'max_scopes', 'scopes_tracked', 'databases', 'dropped', 'stats_reset',
+                'last_maintenance', 'database_scopes', 'fair_share'],
+          'stats_info: its columns, this database''s rows and fair share last');
 
 SELECT * FROM finish();
 ROLLBACK;
