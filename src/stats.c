@@ -27,7 +27,10 @@
  * Payload mismatches, request conflicts, stale and invalid guarded writes
  * count at once, although their error (or the caller) may roll the
  * transaction back: the event happened, and for the errors the transaction
- * always fails.
+ * always fails.  With idempotency.stats_sandbox = on (idem_check_replay()
+ * sets it for its call, and the GUC machinery puts it back, on error too)
+ * those count only if they commit as well, so the replay's rolled-back
+ * runs leave the counters as they were; it hides nothing that commits.
  *
  * Room.  The table holds idempotency.stats_max_scopes scope and table rows
  * (all databases together), and one overflow row per database for
@@ -135,6 +138,7 @@ typedef struct StatsArea
 
 static int	stats_max_scopes = 1000;
 static bool stats_track = true;
+static bool stats_sandbox = false;
 static StatsArea *stats_area = NULL;
 static HTAB *stats_hash = NULL;
 
@@ -552,7 +556,7 @@ pend(const StatsKey *key, IdemStatCounter counter, int64 n)
 static void
 count(const StatsKey *key, IdemStatCounter counter, int64 n)
 {
-	if (!counts_at_once(counter))
+	if (!counts_at_once(counter) || stats_sandbox)
 		pend(key, counter, n);
 	else
 	{
@@ -1052,6 +1056,15 @@ idem_stats_init(void)
 							 true,
 							 PGC_SUSET,
 							 0,
+							 NULL, NULL, NULL);
+
+	DefineCustomBoolVariable("idempotency.stats_sandbox",
+							 "Payload mismatches, request conflicts and stale or invalid guarded writes count only if they commit.",
+							 "idem_check_replay() sets it for its runs, which all roll back.",
+							 &stats_sandbox,
+							 false,
+							 PGC_USERSET,
+							 GUC_NOT_IN_SAMPLE,
 							 NULL, NULL, NULL);
 
 	/* a postmaster setting can only be defined while preloading */

@@ -21,7 +21,7 @@ my $node = idem_node(
 	'stats',
 	init => [ allows_streaming => 1 ],
 	conf => "shared_preload_libraries = 'idempotency'\n"
-	  . "idempotency.stats_max_scopes = 7\n"
+	  . "idempotency.stats_max_scopes = 8\n"
 	  . "max_connections = 40\n"
 	  . "max_prepared_transactions = 2\n");
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
@@ -35,8 +35,8 @@ sub stat_row
 is( $node->safe_psql(
 		'postgres',
 		'SELECT preloaded, max_scopes, scopes_tracked FROM idempotency.stats_info()'),
-	't|7|0',
-	'preloaded, bound 7, nothing tracked yet');
+	't|8|0',
+	'preloaded, bound 8, nothing tracked yet');
 
 # ---- 1. parallel clients add up exactly ----
 $node->safe_psql(
@@ -209,9 +209,47 @@ is($node->safe_psql('postgres', "SELECT claims FROM idempotency.consumers WHERE 
 $node->safe_psql('postgres', "SELECT idem_release('b5', 'tx'), idem_release('e1', 'tx')");
 is(stat_row($node, "scope = 'tx'", 'releases'), '2', 'scope tx: committed releases count');
 
+# ---- 2c. a replay test leaves the counters as they were ----
+# its handler claims (duplicates on redelivery) and mismatches a payload;
+# every run rolls back, and idem_check_replay() sandboxes the mismatches
+$node->safe_psql(
+	'postgres', q{
+CREATE FUNCTION replayed(e jsonb) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM idem_claim(e->>'id', 'replayed');
+    PERFORM idem_claim('fixed', 'replayed', e);
+EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+END $$;
+});
+my $stats_before = $node->safe_psql('postgres', 'SELECT count(*), sum(claims) FROM idempotency.stats');
+is( $node->safe_psql(
+		'postgres', q{
+SELECT count(*) FROM idem_check_replay('replayed(jsonb)',
+       ARRAY(SELECT jsonb_build_object('id', 'r' || g) FROM generate_series(1, 5) g), 'SELECT 1')}),
+	'20', 'a replay of 20 runs');
+is($node->safe_psql('postgres', 'SELECT count(*), sum(claims) FROM idempotency.stats'),
+	$stats_before, 'the counters did not move');
+is($node->safe_psql('postgres', "SELECT count(*) FROM idempotency.stats WHERE scope = 'replayed'"),
+	'0', 'the replay\'s scope has no row');
+# the sandbox ends with the call, on error too: a mismatch after it counts
+is( $node->safe_psql(
+		'postgres', q{
+DO $$ BEGIN
+    PERFORM count(*) FROM idem_check_replay('replayed(jsonb)', ARRAY['{"id": null}']::jsonb[], 'SELECT 1');
+EXCEPTION WHEN null_value_not_allowed THEN NULL;
+END $$;
+SELECT current_setting('idempotency.stats_sandbox');
+SELECT idem_claim('fixed', 'sandbox-after', '{"v": 1}');
+DO $$ BEGIN
+    PERFORM idem_claim('fixed', 'sandbox-after', '{"v": 2}');
+EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+END $$;
+SELECT payload_mismatches FROM idempotency.stats WHERE scope = 'sandbox-after'}),
+	"off\nt\n1", 'after a replay that failed, the sandbox is off and mismatches count');
+
 # ---- 3. the bound: scopes beyond it count in the overflow row ----
 is( $node->safe_psql('postgres', 'SELECT scopes_tracked FROM idempotency.stats_info()'),
-	'6', 'par, pay, acct, orders, request:api, tx: 6 rows of the 7 in use');
+	'7', 'par, pay, acct, orders, request:api, tx, sandbox-after: 7 rows of the 8 in use');
 $node->safe_psql('postgres',
 	"SELECT idem_claim('x', 'extra-' || g) FROM generate_series(1, 5) g");
 is( $node->safe_psql(
@@ -223,7 +261,7 @@ is( $node->safe_psql(
 		'postgres', "SELECT string_agg(scope, ',') FROM idempotency.stats WHERE scope LIKE 'extra-%'"),
 	'extra-1', 'only the first of them has a row of its own');
 is( $node->safe_psql('postgres', 'SELECT scopes_tracked, dropped FROM idempotency.stats_info()'),
-	'7|0', 'the bound is reached; nothing dropped (the overflow row took it)');
+	'8|0', 'the bound is reached; nothing dropped (the overflow row took it)');
 
 # ---- 4. reset: this database only; overflowing scopes find room ----
 $node->safe_psql('postgres', 'CREATE DATABASE other');
