@@ -63,6 +63,9 @@ DECLARE
     st text;
     ours boolean;
     released boolean;
+    key8 bigint;
+    k1 integer;
+    k2 integer;
 BEGIN
     IF handler IS NULL OR events IS NULL OR state_query IS NULL OR runs IS NULL
        OR duplicate_rate IS NULL OR crash_rate IS NULL OR seed IS NULL THEN
@@ -200,20 +203,15 @@ BEGIN
                      AND pg_catalog.format('%s/%s/%s/%s', l.classid, l.objid, l.objsubid, l.mode)
                          <> ALL (locks_before)
         LOOP
+            -- the key: one bigint in two halves, or two integers
+            key8 := (lk.classid::bigint << 32) | lk.objid::bigint;
+            k1 := (lk.classid::bigint - CASE WHEN lk.classid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer;
+            k2 := (lk.objid::bigint - CASE WHEN lk.objid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer;
             LOOP
-                IF lk.objsubid = 1 THEN     -- one bigint key: its halves
-                    released := CASE WHEN lk.mode = 'ShareLock'
-                                 THEN pg_catalog.pg_advisory_unlock_shared(((lk.classid::bigint << 32) | lk.objid::bigint))
-                                 ELSE pg_catalog.pg_advisory_unlock(((lk.classid::bigint << 32) | lk.objid::bigint)) END;
-                ELSE                        -- two integer keys
-                    released := CASE WHEN lk.mode = 'ShareLock'
-                                 THEN pg_catalog.pg_advisory_unlock_shared(
-                                          (lk.classid::bigint - CASE WHEN lk.classid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer,
-                                          (lk.objid::bigint - CASE WHEN lk.objid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer)
-                                 ELSE pg_catalog.pg_advisory_unlock(
-                                          (lk.classid::bigint - CASE WHEN lk.classid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer,
-                                          (lk.objid::bigint - CASE WHEN lk.objid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer) END;
-                END IF;
+                released := CASE WHEN lk.objsubid = 1 AND lk.mode = 'ShareLock' THEN pg_catalog.pg_advisory_unlock_shared(key8)
+                                 WHEN lk.objsubid = 1 THEN pg_catalog.pg_advisory_unlock(key8)
+                                 WHEN lk.mode = 'ShareLock' THEN pg_catalog.pg_advisory_unlock_shared(k1, k2)
+                                 ELSE pg_catalog.pg_advisory_unlock(k1, k2) END;
                 EXIT WHEN NOT released OR NOT EXISTS (
                     SELECT 1 FROM pg_catalog.pg_locks l
                      WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()
