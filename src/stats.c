@@ -31,6 +31,8 @@
  * sets it for its call, and the GUC machinery puts it back, on error too)
  * those count only if they commit as well, so the replay's rolled-back
  * runs leave the counters as they were; it hides nothing that commits.
+ * A transaction keeps counts for at most IDEM_STATS_PENDING_MAX keys; the
+ * scopes it counts in beyond count in its database's overflow row.
  *
  * Room.  The table holds idempotency.stats_max_scopes scope and table rows
  * (all databases together), and one overflow row per database for
