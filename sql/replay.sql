@@ -1,8 +1,10 @@
 -- Replay tests of handlers (SPEC section 8): idem_check_replay catches a
 -- naive INSERT handler and an unguarded last-write-wins upsert, passes the
 -- same handlers behind idem_claim and idem_guard_version, leaves the
--- database as it was, reproduces a run from its seed; bad input; and
--- idem_is_replay_safe as a pgTAP line.
+-- database as it was, reproduces a run from its seed; bad input;
+-- idem_is_replay_safe as a pgTAP line; and puts back what a rollback does
+-- not undo (session advisory locks, sequences, prepared statements).  That
+-- a replay leaves the counters as they were is in test/tap/080_stats.pl.
 CREATE EXTENSION idempotency;
 
 \i sql/include/try.sql
@@ -117,7 +119,49 @@ SELECT regexp_replace(idem_is_replay_safe('naive(jsonb)', (SELECT payments FROM 
 SELECT * FROM finish();
 DROP EXTENSION pgtap;
 
+-- 7. what a rollback does not undo is put back after every run: the
+-- session advisory locks the handler took (as often as it took them), the
+-- sequences it advanced (each run starts where the call did, so each run
+-- hands out the same ids), the statements it prepared; the caller's own
+-- lock and statement stay
+CREATE SEQUENCE replay_ids;
+CREATE SEQUENCE replay_fresh;
+SELECT nextval('replay_ids') AS ids_before;
+CREATE FUNCTION leaky(e jsonb) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_lock(4711), pg_advisory_lock(4711), pg_advisory_lock_shared(1, -2),
+            pg_advisory_xact_lock(4712), nextval('replay_fresh');
+    IF idem_claim(e->>'id', 'replay-leaky') THEN
+        INSERT INTO ledger VALUES (e->>'id', 'x', nextval('replay_ids'));
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_prepared_statements WHERE name = 'replay_leak') THEN
+        EXECUTE 'PREPARE replay_leak AS SELECT 1';
+    END IF;
+END $$;
+SELECT pg_advisory_lock(99) IS NOT NULL AS callers_lock;
+PREPARE callers_statement AS SELECT 2;
+-- (a run delivers fewer than 50 times: its ids stay below 100 only if
+-- every run starts from where the call did)
+SELECT count(*) AS runs, count(*) FILTER (WHERE ok) AS ok_runs
+  FROM idem_check_replay('leaky(jsonb)', (SELECT payments FROM ev),
+                         'SELECT count(*) FROM ledger WHERE amount < 100');
+SELECT l.objid, l.objsubid, l.mode FROM pg_locks l
+ WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() ORDER BY 1;
+SELECT last_value, is_called FROM replay_ids;
+SELECT last_value, is_called FROM replay_fresh;
+SELECT name FROM pg_prepared_statements ORDER BY name;
+-- and after a call that fails (in the reference run)
+SELECT pg_temp.try($$SELECT count(*) FROM idem_check_replay('leaky(jsonb)',
+       ARRAY['{"id": "p1"}', '{"id": null}']::jsonb[], 'SELECT 1')$$);
+SELECT count(*) AS advisory_locks FROM pg_locks l
+ WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid();
+SELECT last_value, is_called FROM replay_fresh;
+SELECT name FROM pg_prepared_statements ORDER BY name;
+SELECT pg_advisory_unlock(99);
+DEALLOCATE callers_statement;
+
 SET client_min_messages = warning;
 DROP TABLE ledger, acct;
-DROP FUNCTION naive(jsonb), claimed(jsonb), lww(jsonb), picky(jsonb);
+DROP SEQUENCE replay_ids, replay_fresh;
+DROP FUNCTION naive(jsonb), claimed(jsonb), lww(jsonb), picky(jsonb), leaky(jsonb);
 DROP EXTENSION idempotency CASCADE;

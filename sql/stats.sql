@@ -2,7 +2,8 @@
 -- the library): idempotency.stats answers from the tables and leaves the
 -- shared-memory counters NULL; idempotency.consumers keeps every scope
 -- across sealing and dropping of partitions; the outbox backlog; reading as
--- a monitoring role; idem_stats_reset() and bad input.  The counters
+-- a monitoring role; idem_stats_reset(), who may reset every database,
+-- and bad input.  The counters
 -- themselves (preloaded) are tested in test/tap/080_stats.pl.
 CREATE EXTENSION idempotency;
 
@@ -99,6 +100,8 @@ SET ROLE idem_monitor;
 SELECT count(*) > 0 AS monitor_reads_stats FROM idempotency.stats;
 SELECT count(*) AS monitor_reads_consumers FROM idempotency.consumers;
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.claims$$);
+SELECT count(*) > 0 AS monitor_reads_partitions FROM idempotency.partitions;
+SELECT pg_temp.try($$SELECT idempotency.outbox_partition_pinned('idempotency.settings')$$) AS monitor_may_ask_pinned;
 RESET ROLE;
 SET ROLE idem_nobody;
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats$$);
@@ -108,13 +111,27 @@ SELECT pg_temp.try($$SELECT idem_stats_reset()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats_rows()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.live_scopes()$$);
 SELECT pg_temp.try($$SELECT count(*) FROM idempotency.stats_counters()$$);
+-- nor which partitions hold pending work
+SELECT pg_temp.try($$SELECT idempotency.outbox_partition_pinned('idempotency.settings')$$);
+SELECT pg_temp.try($$SELECT idempotency.inbox_partition_pinned('idempotency.settings')$$);
 RESET ROLE;
 DROP OWNED BY idem_monitor, idem_nobody;
 DROP ROLE idem_monitor, idem_nobody;
 
 -- 7. reset without preload: nothing to reset, says so; bad input
 SELECT idem_stats_reset();
+SELECT idem_stats_reset(all_databases => true);
 SELECT pg_temp.try($$SELECT idem_stats_reset(NULL)$$);
+SELECT pg_temp.try($$SELECT idem_stats_reset('maybe')$$);
+-- every database is a superuser's to reset; a grantee resets its own
+CREATE ROLE idem_operator;
+GRANT EXECUTE ON FUNCTION idem_stats_reset(boolean) TO idem_operator;
+SET ROLE idem_operator;
+SELECT pg_temp.try($$SELECT idem_stats_reset(all_databases => true)$$);
+SELECT pg_temp.try($$SELECT idem_stats_reset()$$);
+RESET ROLE;
+DROP OWNED BY idem_operator;
+DROP ROLE idem_operator;
 SELECT pg_temp.try($$SELECT * FROM idempotency.stats_counters('x')$$);
 
 SET client_min_messages = warning;

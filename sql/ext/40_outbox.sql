@@ -184,7 +184,8 @@ COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
 -- True if a partition holds an undelivered or dead-lettered event, so
 -- maintenance must keep it (NULL for a table that is no outbox partition).
 -- Runs as the extension's owner, so that idempotency.partitions reads for
--- a monitoring role granted only the view.  May scan the partition:
+-- a monitoring role granted only the view; it reads only a partition that
+-- is ours (idempotency.relation_distrust()).  May scan the partition:
 -- maintenance and the view ask it only of partitions past their retention.
 CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
@@ -196,6 +197,10 @@ DECLARE
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM idempotency.outbox_partitions p WHERE p.relid = part) THEN
         RETURN NULL;            -- not one of ours: nothing to say
+    END IF;
+    -- nor if it is not as we made it: planning over it could run its owner's code
+    IF idempotency.relation_distrust(part, 'idempotency.outbox_events') IS NOT NULL THEN
+        RETURN NULL;
     END IF;
     EXECUTE format(
         'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
@@ -210,4 +215,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
-    'true if an outbox partition holds an undelivered or dead-lettered event';
+    'true if an outbox partition holds an undelivered or dead-lettered event (NULL: not a partition as the extension makes them)';
+-- Which partitions hold pending work is the monitoring's business.
+REVOKE ALL ON FUNCTION idempotency.outbox_partition_pinned(regclass) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.outbox_partition_pinned(regclass) TO pg_monitor;

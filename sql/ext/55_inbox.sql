@@ -128,8 +128,9 @@ COMMENT ON FUNCTION idem_inbox_replay(text, timestamptz, timestamptz) IS
 
 -- True if a partition holds a message that is not done (pending, leased,
 -- waiting for a retry or dead), so maintenance must keep it; NULL for a
--- table that is no inbox partition.  Runs as the extension's owner, like
--- outbox_partition_pinned().
+-- table that is no inbox partition, or one not as we made it.  Runs as the
+-- extension's owner, like outbox_partition_pinned(), and like it is closed
+-- to PUBLIC.
 CREATE FUNCTION idempotency.inbox_partition_pinned(part regclass)
     RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER
@@ -141,10 +142,16 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM idempotency.inbox_partitions p WHERE p.relid = part) THEN
         RETURN NULL;            -- not one of ours: nothing to say
     END IF;
+    -- nor if it is not as we made it: planning over it could run its owner's code
+    IF idempotency.relation_distrust(part, 'idempotency.inbox_messages') IS NOT NULL THEN
+        RETURN NULL;
+    END IF;
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s m WHERE m.done_at IS NULL)', part)
         INTO pinned;
     RETURN pinned;
 END
 $$;
 COMMENT ON FUNCTION idempotency.inbox_partition_pinned(regclass) IS
-    'true if an inbox partition holds a message that is not done';
+    'true if an inbox partition holds a message that is not done (NULL: not a partition as the extension makes them)';
+REVOKE ALL ON FUNCTION idempotency.inbox_partition_pinned(regclass) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.inbox_partition_pinned(regclass) TO pg_monitor;

@@ -5,9 +5,12 @@
 -- src/stats.c); without preload the view answers what the tables can tell
 -- and leaves the rest NULL.  Like PostgreSQL's own statistics views these
 -- are for monitoring roles (pg_monitor, see the end of this file): they
--- read them whole without any right on the tables behind (the two
--- functions the views call run as the extension's owner, read only, with
--- search_path pinned).
+-- read them whole without any right on the tables behind (stats_rows()
+-- runs as the extension's owner, read only, with search_path pinned;
+-- live_scopes() is C that reads without checking table privileges).
+-- Nothing here reads a partition that is not ours
+-- (idempotency.relation_distrust()): the partition's owner could have
+-- attached code that would run with the reader's rights.
 --
 -- This file is new in 1.1: the upgrade script from 1.0 includes it whole
 -- (see the Makefile), so it must only create objects (and fill the scope
@@ -30,19 +33,19 @@ COMMENT ON FUNCTION idempotency.stats_counters() IS
 CREATE FUNCTION idempotency.stats_info(
         OUT preloaded boolean, OUT max_scopes integer, OUT scopes_tracked integer,
         OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz,
-        OUT last_maintenance timestamptz)
+        OUT last_maintenance timestamptz, OUT database_scopes integer, OUT fair_share integer)
     RETURNS record
     AS 'MODULE_PATHNAME', 'idem_stats_info' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.stats_info() IS
-    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round';
+    'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round, the rows it holds and the fair share it may keep';
 
-CREATE FUNCTION idem_stats_reset()
+CREATE FUNCTION idem_stats_reset(all_databases boolean DEFAULT false)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_stats_reset' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-COMMENT ON FUNCTION idem_stats_reset() IS
-    'start this database''s idempotency.stats counters afresh';
+COMMENT ON FUNCTION idem_stats_reset(boolean) IS
+    'start this database''s idempotency.stats counters afresh (every database''s: all_databases, superuser only)';
 -- Resetting is an operator's business, like pg_stat_reset().
-REVOKE ALL ON FUNCTION idem_stats_reset() FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_stats_reset(boolean) FROM PUBLIC;
 
 -- Per scope: what the claims of the partitions sealed so far held.  The
 -- maintenance round adds a partition here in the same transaction that
@@ -65,30 +68,19 @@ FROM idempotency.claims c
 WHERE c.tableoid IN (SELECT r.relid FROM idempotency.partition_registry r WHERE r.sealed)
 GROUP BY c.scope;
 
--- Per scope: the claims of the partitions not sealed yet.  One aggregate
--- per partition, in the caller's snapshot (STABLE), so a seal that
--- committed is seen both here and in scope_history, or in neither.
+-- Per scope: the claims of the partitions not sealed yet, in the caller's
+-- snapshot (STABLE), so a seal that committed is seen both here and in
+-- scope_history, or in neither.  In C (src/stats.c): it reads only the
+-- partitions that are ours (idempotency.relation_distrust()), by a heap
+-- scan that plans nothing, so no code a partition's owner attached runs;
+-- it checks no table privilege, so it needs no SECURITY DEFINER.
 CREATE FUNCTION idempotency.live_scopes(
         OUT scope text, OUT first_claim_at timestamptz, OUT last_claim_at timestamptz,
         OUT claims bigint)
     RETURNS SETOF record
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    part regclass;
-BEGIN
-    FOR part IN SELECT r.relid FROM idempotency.partition_registry r
-                WHERE NOT r.sealed ORDER BY r.lower
-    LOOP
-        RETURN QUERY EXECUTE format(
-            'SELECT scope::text, min(claimed_at), max(claimed_at), count(*) FROM %s GROUP BY scope',
-            part);
-    END LOOP;
-END
-$$;
+    AS 'MODULE_PATHNAME', 'idem_live_scopes' LANGUAGE C STABLE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.live_scopes() IS
-    'claims per scope in the partitions not sealed yet';
+    'claims per scope in the partitions not sealed yet (those that are not the extension''s are skipped)';
 
 CREATE VIEW idempotency.consumers AS
 SELECT x.scope,
@@ -159,7 +151,10 @@ COMMENT ON VIEW idempotency.inbox_backlog IS
 -- idempotency.consumers, with claims, last_claim_at and the requests the
 -- request store still keeps, and a row per guarded table -- and NULL for
 -- what only shared memory knows.  A function, so that only one of the two
--- is ever computed.
+-- is ever computed.  It runs as the owner: the requests are read partition
+-- by partition, and only from the partitions that are ours
+-- (idempotency.relation_distrust()), since planning over one could run its
+-- owner's code.
 CREATE FUNCTION idempotency.stats_rows()
     RETURNS SETOF idempotency.stats_row
     LANGUAGE plpgsql STABLE SECURITY DEFINER
@@ -167,7 +162,24 @@ CREATE FUNCTION idempotency.stats_rows()
 AS $$
 DECLARE
     preloaded boolean := (SELECT i.preloaded FROM idempotency.stats_info() i);
+    parts text;
+    requests jsonb := '{}';
 BEGIN
+    IF NOT preloaded THEN
+        SELECT string_agg(format('SELECT r.scope, r.status FROM %s r', i.inhrelid::regclass), ' UNION ALL ')
+          INTO parts
+          FROM pg_catalog.pg_inherits i
+         WHERE i.inhparent = 'idempotency.requests'::regclass
+           AND idempotency.relation_distrust(i.inhrelid, i.inhparent) IS NULL;
+        IF parts IS NOT NULL THEN
+            EXECUTE format(
+                'SELECT coalesce(jsonb_object_agg(q.scope, jsonb_build_array(q.started, q.completed)), ''{}'')'
+                '  FROM (SELECT ''request:'' || r.scope AS scope, count(*) AS started,'
+                '               count(*) FILTER (WHERE r.status = ''completed'') AS completed'
+                '          FROM (%s) r GROUP BY r.scope) q', parts)
+                INTO requests;
+        END IF;
+    END IF;
     -- the counters are read once; without preload there are none
     RETURN QUERY
     WITH c AS MATERIALIZED (SELECT * FROM idempotency.stats_counters()),
@@ -186,14 +198,10 @@ BEGIN
     WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.relation = g.relation)
     UNION ALL
     -- without preload: the scopes the tables know
-    SELECT k.scope, NULL, k.claims, NULL, NULL, NULL, NULL, NULL, q.started, q.completed, NULL,
+    SELECT k.scope, NULL, k.claims, NULL, NULL, NULL, NULL, NULL,
+           (requests -> k.scope ->> 0)::bigint, (requests -> k.scope ->> 1)::bigint, NULL,
            k.last_claim_at, NULL
     FROM idempotency.consumers k
-    LEFT JOIN (SELECT ('request:' || r.scope) COLLATE "C" AS scope,
-                      count(*) AS started,
-                      count(*) FILTER (WHERE r.status = 'completed') AS completed
-               FROM idempotency.requests r
-               GROUP BY r.scope) q ON q.scope = k.scope
     WHERE NOT preloaded;
 END
 $$;
@@ -230,8 +238,8 @@ COMMENT ON VIEW idempotency.stats IS
 
 -- Who reads: members of pg_monitor (with USAGE on schema idempotency), or
 -- roles granted the same rights.  The functions stay closed to PUBLIC:
--- stats_rows() and live_scopes() run as the owner, and calling them is
--- reading the views.
+-- stats_rows() runs as the owner and live_scopes() reads the claims
+-- whatever the caller's rights, so calling them is reading the views.
 REVOKE ALL ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),
                        idempotency.stats_rows(), idempotency.live_scopes() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),

@@ -10,6 +10,14 @@
 -- congruential one, seeded by "seed") makes runs reproducible without
 -- touching the session's random().
 --
+-- What a rollback does not undo is put back after every run (the
+-- reference run is run 0): the session advisory locks the handler took,
+-- the statements it prepared, the sequences it advanced (so every run
+-- hands out the same values) -- a sequence only if no other session took
+-- a value since this one's last, else it is left advanced, with a
+-- WARNING.  Counters: the function runs with idempotency.stats_sandbox on
+-- (src/stats.c), so nothing its runs count reaches idempotency.stats.
+--
 -- This file is new in 1.1: the upgrade script from 1.0 includes it whole
 -- (see the Makefile), so it must only create objects.
 
@@ -18,6 +26,9 @@ CREATE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_qu
                                   crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
     RETURNS TABLE(run integer, deliveries integer, ok boolean, difference text)
     LANGUAGE plpgsql VOLATILE
+    -- the runs' payload mismatches, conflicts and guarded-write refusals
+    -- count only if they commit, as their claims do: never (src/stats.c)
+    SET idempotency.stats_sandbox = on
 AS $fn$
 DECLARE
     -- a delivery that fails this often in one run fails the run
@@ -36,10 +47,25 @@ DECLARE
     tmp integer;
     crash boolean;
     failed_msg text;
+    failed_code text;
+    failed_hint text;
     err text;
     msg text;
     missing text[];
     extra text[];
+    -- what a rollback does not undo, as it was before the call: put back
+    -- after every run
+    locks_before text[];
+    statements_before text[];
+    sequences_before jsonb;
+    lk record;
+    sq record;
+    st text;
+    ours boolean;
+    released boolean;
+    key8 bigint;
+    k1 integer;
+    k2 integer;
 BEGIN
     IF handler IS NULL OR events IS NULL OR state_query IS NULL OR runs IS NULL
        OR duplicate_rate IS NULL OR crash_rate IS NULL OR seed IS NULL THEN
@@ -77,55 +103,62 @@ BEGIN
         'SELECT coalesce(pg_catalog.array_agg(r::text ORDER BY r::text), ''{}'') FROM (%s) r',
         state_query);
 
-    -- the reference: every event once, in order
-    BEGIN
-        FOR i IN 1 .. n LOOP
-            ev := i;
-            EXECUTE call USING events[i];
-        END LOOP;
-        ev := 0;
-        EXECUTE state_query INTO reference;
-        RAISE EXCEPTION USING MESSAGE = sentinel;
-    EXCEPTION WHEN OTHERS THEN
-        GET STACKED DIAGNOSTICS err = RETURNED_SQLSTATE, msg = MESSAGE_TEXT;
-        IF msg <> sentinel AND ev = 0 THEN
-            RAISE EXCEPTION 'state_query failed after the reference run: %', msg USING ERRCODE = err;
-        ELSIF msg <> sentinel THEN
-            RAISE EXCEPTION 'the handler failed in the reference run, on event %: %', ev, msg
-                USING ERRCODE = err,
-                      HINT = 'The reference run applies every event once, in order; it must succeed.';
-        END IF;
-    END;
+    -- this session's advisory locks, its prepared statements, and the
+    -- sequences it may put back (setval needs UPDATE; reading, SELECT or
+    -- USAGE; another session's temporary ones cannot be read)
+    locks_before := ARRAY(
+        SELECT pg_catalog.format('%s/%s/%s/%s', l.classid, l.objid, l.objsubid, l.mode)
+          FROM pg_catalog.pg_locks l
+         WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid());
+    statements_before := ARRAY(SELECT s.name FROM pg_catalog.pg_prepared_statements s);
+    sequences_before := (
+        SELECT coalesce(pg_catalog.jsonb_object_agg(q.seqrelid::text, pg_catalog.pg_sequence_last_value(q.seqrelid)), '{}')
+          FROM pg_catalog.pg_sequence q JOIN pg_catalog.pg_class c ON c.oid = q.seqrelid
+         WHERE (c.relpersistence <> 't' OR c.relnamespace = pg_catalog.pg_my_temp_schema())
+           AND pg_catalog.has_sequence_privilege(q.seqrelid, 'UPDATE')
+           AND pg_catalog.has_sequence_privilege(q.seqrelid, 'SELECT, USAGE'));
 
     rng := pg_catalog.abs(seed::bigint) % 2147483648;
-    FOR r IN 1 .. runs LOOP
+    -- run 0 is the reference: every event once, in order
+    FOR r IN 0 .. runs LOOP
         run := r;
         deliveries := 0;
         failed_msg := NULL;
+        failed_hint := NULL;
         got := NULL;
-        -- the events shuffled (Fisher-Yates)
         queue := ARRAY(SELECT g FROM pg_catalog.generate_series(1, n) g);
-        FOR i IN REVERSE n .. 2 LOOP
-            rng := (rng * 1103515245 + 12345) % 2147483648;
-            j := (rng % i)::integer + 1;
-            tmp := queue[i]; queue[i] := queue[j]; queue[j] := tmp;
-        END LOOP;
+        IF r > 0 THEN
+            -- the events shuffled (Fisher-Yates)
+            FOR i IN REVERSE n .. 2 LOOP
+                rng := (rng * 1103515245 + 12345) % 2147483648;
+                j := (rng % i)::integer + 1;
+                tmp := queue[i]; queue[i] := queue[j]; queue[j] := tmp;
+            END LOOP;
+        END IF;
         failures := pg_catalog.array_fill(0, ARRAY[n]);
         BEGIN
             pos := 1;
             WHILE pos <= pg_catalog.array_length(queue, 1) LOOP
                 ev := queue[pos];
                 deliveries := deliveries + 1;
-                rng := (rng * 1103515245 + 12345) % 2147483648;
-                crash := (rng::float8 / 2147483648) < crash_rate;
+                crash := false;
+                IF r > 0 THEN
+                    rng := (rng * 1103515245 + 12345) % 2147483648;
+                    crash := (rng::float8 / 2147483648) < crash_rate;
+                END IF;
                 BEGIN
                     EXECUTE call USING events[ev];
                     IF crash THEN
                         RAISE EXCEPTION USING MESSAGE = sentinel;
                     END IF;
                 EXCEPTION WHEN OTHERS THEN
-                    GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
-                    IF msg <> sentinel THEN
+                    GET STACKED DIAGNOSTICS err = RETURNED_SQLSTATE, msg = MESSAGE_TEXT;
+                    IF msg <> sentinel AND r = 0 THEN
+                        failed_msg := pg_catalog.format('the handler failed in the reference run, on event %s: %s', ev, msg);
+                        failed_code := err;
+                        failed_hint := 'The reference run applies every event once, in order; it must succeed.';
+                        EXIT;
+                    ELSIF msg <> sentinel THEN
                         failures[ev] := failures[ev] + 1;
                         IF failures[ev] >= max_failures THEN
                             failed_msg := pg_catalog.format('event %s failed %s times: %s', ev, failures[ev], msg);
@@ -134,7 +167,7 @@ BEGIN
                     END IF;
                     crash := true;      -- it comes again later
                 END;
-                IF NOT crash THEN
+                IF r > 0 AND NOT crash THEN
                     -- a redelivery of what succeeded
                     rng := (rng * 1103515245 + 12345) % 2147483648;
                     crash := (rng::float8 / 2147483648) < duplicate_rate;
@@ -151,11 +184,78 @@ BEGIN
             END IF;
             RAISE EXCEPTION USING MESSAGE = sentinel;
         EXCEPTION WHEN OTHERS THEN
-            GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
-            IF msg <> sentinel THEN
+            GET STACKED DIAGNOSTICS err = RETURNED_SQLSTATE, msg = MESSAGE_TEXT;
+            IF msg <> sentinel AND r = 0 THEN
+                failed_msg := pg_catalog.format('state_query failed after the reference run: %s', msg);
+                failed_code := err;
+            ELSIF msg <> sentinel THEN
                 failed_msg := coalesce(failed_msg, msg);
             END IF;
         END;
+
+        -- put back what the rollback did not undo: session advisory locks
+        -- (as often as they were taken; objsubid 1 and 2 are the SQL
+        -- functions', the others the extension's own) ...
+        FOR lk IN SELECT DISTINCT l.classid, l.objid, l.objsubid, l.mode
+                    FROM pg_catalog.pg_locks l
+                   WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()
+                     AND l.objsubid IN (1, 2)
+                     AND pg_catalog.format('%s/%s/%s/%s', l.classid, l.objid, l.objsubid, l.mode)
+                         <> ALL (locks_before)
+        LOOP
+            -- the key: one bigint in two halves, or two integers
+            key8 := (lk.classid::bigint << 32) | lk.objid::bigint;
+            k1 := (lk.classid::bigint - CASE WHEN lk.classid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer;
+            k2 := (lk.objid::bigint - CASE WHEN lk.objid::bigint > 2147483647 THEN 4294967296 ELSE 0 END)::integer;
+            LOOP
+                released := CASE WHEN lk.objsubid = 1 AND lk.mode = 'ShareLock' THEN pg_catalog.pg_advisory_unlock_shared(key8)
+                                 WHEN lk.objsubid = 1 THEN pg_catalog.pg_advisory_unlock(key8)
+                                 WHEN lk.mode = 'ShareLock' THEN pg_catalog.pg_advisory_unlock_shared(k1, k2)
+                                 ELSE pg_catalog.pg_advisory_unlock(k1, k2) END;
+                EXIT WHEN NOT released OR NOT EXISTS (
+                    SELECT 1 FROM pg_catalog.pg_locks l
+                     WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()
+                       AND l.classid = lk.classid AND l.objid = lk.objid
+                       AND l.objsubid = lk.objsubid AND l.mode = lk.mode);
+            END LOOP;
+        END LOOP;
+        -- ... prepared statements ...
+        FOR st IN SELECT s.name FROM pg_catalog.pg_prepared_statements s
+                   WHERE s.name <> ALL (statements_before) LOOP
+            EXECUTE pg_catalog.format('DEALLOCATE %I', st);
+        END LOOP;
+        -- ... and sequences, unless another session took a value since
+        -- this one's last (putting it back would hand that value out again)
+        FOR sq IN SELECT b.key::oid::regclass AS seq, (b.value #>> '{}')::bigint AS was, q.seqstart,
+                         pg_catalog.pg_sequence_last_value(b.key::oid::regclass) AS now
+                    FROM pg_catalog.jsonb_each(sequences_before) b
+                    JOIN pg_catalog.pg_sequence q ON q.seqrelid = b.key::oid
+        LOOP
+            CONTINUE WHEN sq.now IS NOT DISTINCT FROM sq.was;
+            BEGIN
+                ours := pg_catalog.currval(sq.seq) = sq.now;
+            EXCEPTION WHEN object_not_in_prerequisite_state THEN
+                ours := false;
+            END;
+            IF NOT ours THEN
+                RAISE WARNING 'sequence % was advanced by another session during the replay, so it is left where it is', sq.seq
+                    USING DETAIL = 'Putting it back would hand out again values another session took.';
+            ELSIF sq.was IS NULL THEN
+                PERFORM pg_catalog.setval(sq.seq, sq.seqstart, false);
+            ELSE
+                PERFORM pg_catalog.setval(sq.seq, sq.was, true);
+            END IF;
+        END LOOP;
+
+        IF r = 0 THEN
+            IF failed_msg IS NOT NULL AND failed_hint IS NOT NULL THEN
+                RAISE EXCEPTION USING MESSAGE = failed_msg, ERRCODE = failed_code, HINT = failed_hint;
+            ELSIF failed_msg IS NOT NULL THEN
+                RAISE EXCEPTION USING MESSAGE = failed_msg, ERRCODE = failed_code;
+            END IF;
+            reference := got;
+            CONTINUE;
+        END IF;
         IF failed_msg IS NOT NULL THEN
             ok := false;
             difference := failed_msg;

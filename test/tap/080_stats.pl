@@ -1,6 +1,10 @@
 # idempotency.stats with the library preloaded: counters from parallel
 # clients add up exactly (claims, duplicates, payload mismatches, stale
 # guarded writes); releases, requests and invalid transitions count;
+# claims, duplicates and releases count what committed (not a rolled-back
+# transaction or subtransaction, nor one whose commit failed; a prepared
+# transaction when it is prepared), payload mismatches and request
+# conflicts although their transaction fails;
 # idem_stats_reset() resets one database only and lets overflowing scopes in
 # again; scopes beyond idempotency.stats_max_scopes count in the overflow
 # row; idempotency.track_stats = off stops counting; counters start again at
@@ -17,8 +21,9 @@ my $node = idem_node(
 	'stats',
 	init => [ allows_streaming => 1 ],
 	conf => "shared_preload_libraries = 'idempotency'\n"
-	  . "idempotency.stats_max_scopes = 6\n"
-	  . "max_connections = 40\n");
+	  . "idempotency.stats_max_scopes = 8\n"
+	  . "max_connections = 40\n"
+	  . "max_prepared_transactions = 2\n");
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
 sub stat_row
@@ -30,8 +35,8 @@ sub stat_row
 is( $node->safe_psql(
 		'postgres',
 		'SELECT preloaded, max_scopes, scopes_tracked FROM idempotency.stats_info()'),
-	't|6|0',
-	'preloaded, bound 6, nothing tracked yet');
+	't|8|0',
+	'preloaded, bound 8, nothing tracked yet');
 
 # ---- 1. parallel clients add up exactly ----
 $node->safe_psql(
@@ -135,12 +140,116 @@ $node->safe_psql('postgres', q{SELECT status FROM idem_request_begin('r-1', 'api
 is( stat_row(
 		$node, "scope = 'request:api'",
 		'claims, duplicates, requests_started, requests_completed, requests_conflicted'),
-	'1|2|1|1|1',
-	'request:api: 1 started, 1 completed, 1 conflicted; the retry and the replay are duplicates');
+	'1|1|1|1|1',
+	'request:api: 1 started, 1 completed, 1 conflicted (its transaction failed, so its duplicate'
+	  . ' does not count); the replay is a duplicate');
+
+# ---- 2b. what committed counts ----
+$node->safe_psql(
+	'postgres', q{
+CREATE TABLE deferred_check (k int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+-- a transaction that rolls back: its claims, duplicates and releases do not count
+BEGIN;
+SELECT idem_claim('a' || g, 'tx') FROM generate_series(1, 3) g;
+SELECT idem_claim('a1', 'tx');
+SELECT idem_release('a2', 'tx');
+ROLLBACK;
+-- savepoints: a rolled-back subtransaction's claims do not count, a released one's do
+BEGIN;
+SELECT idem_claim('b1', 'tx');
+SAVEPOINT s1;
+SELECT idem_claim('b2', 'tx');
+SAVEPOINT s2;
+SELECT idem_claim('b3', 'tx');
+ROLLBACK TO SAVEPOINT s1;
+SELECT idem_claim('b4', 'tx');
+SAVEPOINT s3;
+SELECT idem_claim('b5', 'tx'), idem_claim('b1', 'tx');
+RELEASE SAVEPOINT s3;
+COMMIT;
+-- an exception block is a subtransaction too
+DO $$
+BEGIN
+    PERFORM idem_claim('c1', 'tx');
+    RAISE EXCEPTION 'undo';
+EXCEPTION WHEN raise_exception THEN
+    PERFORM idem_claim('c2', 'tx');
+END $$;
+});
+is(stat_row($node, "scope = 'tx'", 'claims, duplicates, releases'),
+	'4|1|0', "scope tx: b1, b4, b5 and c2 claimed, b1 again a duplicate; nothing of what rolled back");
+# a transaction whose commit fails (a deferred unique check)
+my ($rc) = $node->psql('postgres', q{
+BEGIN;
+SELECT idem_claim('d1', 'tx');
+INSERT INTO deferred_check VALUES (1), (1);
+COMMIT;});
+isnt($rc, 0, 'a commit that fails its deferred check');
+is(stat_row($node, "scope = 'tx'", 'claims'), '4', 'scope tx: the claim of a failed commit does not count');
+# a payload mismatch counts although its transaction rolls back
+$node->psql('postgres', q{
+BEGIN;
+SELECT idem_claim('p1', 'tx', '{"v": 1}');
+COMMIT;
+BEGIN;
+SELECT idem_claim('p1', 'tx', '{"v": 2}');
+ROLLBACK;});
+is(stat_row($node, "scope = 'tx'", 'claims, duplicates, payload_mismatches'),
+	'5|1|1', 'scope tx: the mismatch counts, its rolled-back transaction notwithstanding');
+# a prepared transaction counts when it is prepared (no hook runs at COMMIT PREPARED)
+$node->safe_psql('postgres', q{
+BEGIN;
+SELECT idem_claim('e1', 'tx');
+PREPARE TRANSACTION 'stats_prepared';});
+is(stat_row($node, "scope = 'tx'", 'claims'), '6', 'scope tx: a prepared claim counts at PREPARE');
+$node->safe_psql('postgres', "COMMIT PREPARED 'stats_prepared'");
+is(stat_row($node, "scope = 'tx'", 'claims'), '6', '... and not again at COMMIT PREPARED');
+is($node->safe_psql('postgres', "SELECT claims FROM idempotency.consumers WHERE scope = 'tx'"),
+	'6', 'scope tx: the counter agrees with the claims the tables hold');
+$node->safe_psql('postgres', "SELECT idem_release('b5', 'tx'), idem_release('e1', 'tx')");
+is(stat_row($node, "scope = 'tx'", 'releases'), '2', 'scope tx: committed releases count');
+
+# ---- 2c. a replay test leaves the counters as they were ----
+# its handler claims (duplicates on redelivery) and mismatches a payload;
+# every run rolls back, and idem_check_replay() sandboxes the mismatches
+$node->safe_psql(
+	'postgres', q{
+CREATE FUNCTION replayed(e jsonb) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM idem_claim(e->>'id', 'replayed');
+    PERFORM idem_claim('fixed', 'replayed', e);
+EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+END $$;
+});
+my $stats_before = $node->safe_psql('postgres', 'SELECT count(*), sum(claims) FROM idempotency.stats');
+is( $node->safe_psql(
+		'postgres', q{
+SELECT count(*) FROM idem_check_replay('replayed(jsonb)',
+       ARRAY(SELECT jsonb_build_object('id', 'r' || g) FROM generate_series(1, 5) g), 'SELECT 1')}),
+	'20', 'a replay of 20 runs');
+is($node->safe_psql('postgres', 'SELECT count(*), sum(claims) FROM idempotency.stats'),
+	$stats_before, 'the counters did not move');
+is($node->safe_psql('postgres', "SELECT count(*) FROM idempotency.stats WHERE scope = 'replayed'"),
+	'0', 'the replay\'s scope has no row');
+# the sandbox ends with the call, on error too: a mismatch after it counts
+is( $node->safe_psql(
+		'postgres', q{
+DO $$ BEGIN
+    PERFORM count(*) FROM idem_check_replay('replayed(jsonb)', ARRAY['{"id": null}']::jsonb[], 'SELECT 1');
+EXCEPTION WHEN null_value_not_allowed THEN NULL;
+END $$;
+SELECT current_setting('idempotency.stats_sandbox');
+SELECT idem_claim('fixed', 'sandbox-after', '{"v": 1}');
+DO $$ BEGIN
+    PERFORM idem_claim('fixed', 'sandbox-after', '{"v": 2}');
+EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+END $$;
+SELECT payload_mismatches FROM idempotency.stats WHERE scope = 'sandbox-after'}),
+	"off\nt\n1", 'after a replay that failed, the sandbox is off and mismatches count');
 
 # ---- 3. the bound: scopes beyond it count in the overflow row ----
 is( $node->safe_psql('postgres', 'SELECT scopes_tracked FROM idempotency.stats_info()'),
-	'5', 'par, pay, acct, orders, request:api: 5 rows of the 6 in use');
+	'7', 'par, pay, acct, orders, request:api, tx, sandbox-after: 7 rows of the 8 in use');
 $node->safe_psql('postgres',
 	"SELECT idem_claim('x', 'extra-' || g) FROM generate_series(1, 5) g");
 is( $node->safe_psql(
@@ -152,7 +261,7 @@ is( $node->safe_psql(
 		'postgres', "SELECT string_agg(scope, ',') FROM idempotency.stats WHERE scope LIKE 'extra-%'"),
 	'extra-1', 'only the first of them has a row of its own');
 is( $node->safe_psql('postgres', 'SELECT scopes_tracked, dropped FROM idempotency.stats_info()'),
-	'6|0', 'the bound is reached; nothing dropped (the overflow row took it)');
+	'8|0', 'the bound is reached; nothing dropped (the overflow row took it)');
 
 # ---- 4. reset: this database only; overflowing scopes find room ----
 $node->safe_psql('postgres', 'CREATE DATABASE other');
@@ -170,7 +279,8 @@ is( $node->safe_psql(
 		"SELECT stats_reset > '$before' FROM idempotency.stats_info()"),
 	't', 'after reset: stats_reset moved');
 is($node->safe_psql('other', 'SELECT sum(claims) FROM idempotency.stats'),
-	'1', 'the other database keeps its counters (its claim found no room: overflow row)');
+	'1', 'the other database keeps its counters (its scope took a row from this database,'
+	  . ' which held more than its fair share; see 083_stats_databases.pl)');
 $node->safe_psql('postgres', "SELECT idem_claim('y', 'extra-2')");
 is(stat_row($node, "scope = 'extra-2'", 'claims'),
 	'1', 'after reset an overflowed scope has a row of its own');
@@ -198,7 +308,7 @@ is( $node->safe_psql(
 		q{SELECT count(*) FROM idempotency.stats WHERE relation IS NOT NULL AND relation::text ~ '^[0-9]+$'}),
 	'0', 'a dropped guarded table has no row');
 is( $node->safe_psql('postgres', 'SELECT scopes_tracked FROM idempotency.stats_info()'),
-	'2', 'its counters keep their row (beside extra-2) until a reset');
+	'3', 'its counters keep their row (beside extra-2 and the other database\'s scope) until a reset');
 
 # ---- 6. a streaming standby answers ----
 $node->backup('bkp');

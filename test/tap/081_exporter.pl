@@ -3,7 +3,8 @@
 # only what doc/monitoring.md lists: every query runs without error, and the
 # metrics carry the values the database holds (claims and duplicates per
 # scope, stale skips per guarded table, outbox and inbox backlog, dead letters,
-# partitions per state, time since the last maintenance round, consumers).
+# partitions per state, time since the last maintenance round, room for
+# counters, consumers).
 # Skipped when the exporter is not installed (test/run-tests installs it on
 # Debian).
 use strict;
@@ -95,6 +96,9 @@ is(metric('idempotency_partitions_partitions', [ 'store="claims"', 'state="curre
 	1, 'claims: one current partition');
 $v = metric('idempotency_maintenance_seconds_ahead', ['store="claims"']);
 ok(defined $v && $v > 86400, 'claims: premade partitions reach more than a day ahead');
+is(metric('idempotency_stats_room_database_scopes', []), 3,
+	'stats room: this database holds 3 rows (billing, inbox:hooks, acct)');
+is(metric('idempotency_stats_room_fair_share', []), 1000, 'stats room: alone, its share is the whole table');
 $v = metric('idempotency_maintenance_round_seconds_since', []);
 ok(defined $v && $v < 600, 'the last maintenance round is recent');
 ok(defined metric('idempotency_consumer_first_claim', ['scope="billing"']),
