@@ -46,23 +46,24 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE prosecdef AND provolatile = '
           ARRAY[]::text[], 'no SECURITY DEFINER function is volatile (they only read)');
 
 -- executable by PUBLIC: the API (each checks its caller's rights on the
--- tables it touches, or is the caller's own test) and read-only diagnosis
+-- tables it touches, or is the caller's own test) and read-only diagnosis;
+-- not maintenance (idem_maintain, idem_configure: a round runs as the
+-- extension's owner, so EXECUTE is the capability)
 SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)' ORDER BY fn),
           ARRAY['idem_check_replay(regprocedure,jsonb[],text,integer,double precision,double precision,integer)',
                 'idem_claim(text,text,jsonb)',
                 'idem_claim_many(text[],text)',
                 'idem_claim_routed(text,text,text,jsonb)',
                 'idem_claimed(text,text)',
-                'idem_configure(interval,interval,integer)',
                 'idem_guard_transitions(regclass,name,jsonb,text)',
                 'idem_guard_version(regclass,name,text)',
                 'idem_inbox_claim(integer,interval,text[])',
                 'idem_inbox_done(uuid[],uuid)',
+                'idem_inbox_extend(uuid,interval)',
                 'idem_inbox_fail(uuid,text,interval,uuid)',
                 'idem_inbox_receive(text,text,jsonb,jsonb)',
                 'idem_inbox_replay(text,timestamp with time zone,timestamp with time zone)',
                 'idem_is_replay_safe(regprocedure,jsonb[],text,text)',
-                'idem_maintain()',
                 'idem_outbox_ack(uuid[],uuid)',
                 'idem_outbox_claim(integer,interval,text[])',
                 'idem_outbox_discard(uuid[])',
