@@ -52,6 +52,13 @@
  * relay changed after a REPEATABLE READ snapshot is a serialization
  * failure.
  *
+ * Wake-ups: an emit under outbox_notify = 'commit' only notes that its
+ * transaction (or subtransaction) emitted; the NOTIFY is sent just before
+ * the commit (XACT_EVENT_PRE_COMMIT), so a transaction whose emits rolled
+ * back sends none, and a transaction that is prepared (PREPARE TRANSACTION,
+ * which refuses one with a pending NOTIFY) sends none either: relays find
+ * its events by polling once COMMIT PREPARED has run.
+ *
  * All SQL runs through generic plans prepared once per backend with
  * search_path pinned to pg_catalog, on schema-qualified names, with the
  * caller's privileges; the direct write of events checks INSERT on
@@ -162,9 +169,75 @@ static int	outbox_dead_policy = DEAD_BLOCK;
 static int	outbox_notify = NOTIFY_COMMIT;
 static int	outbox_mode = MODE_TABLE;
 
+/*---- wake-ups ----*/
+
+/*
+ * The outermost transaction nesting level at which an emit that asked for a
+ * NOTIFY still stands (0: none).  Emits deeper down count for their level
+ * until their subtransaction commits (then for its parent) or aborts (then
+ * not at all: every emit that stood was at that level or deeper).
+ */
+static int	notify_level = 0;
+
+static void
+want_notify(void)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (notify_level == 0 || level < notify_level)
+		notify_level = level;
+}
+
+/*
+ * Send the NOTIFY of an emitting transaction just before it commits
+ * (PreCommit_Notify, later in the commit, queues it); a transaction that is
+ * prepared, or aborts, sends none.
+ */
+static void
+outbox_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+			if (notify_level > 0)
+			{
+				notify_level = 0;
+				Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+			}
+			break;
+		case XACT_EVENT_PRE_PREPARE:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_PREPARE:
+			notify_level = 0;
+			break;
+		default:
+			break;
+	}
+}
+
+static void
+outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						SubTransactionId parentSubid, void *arg)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (notify_level < level)
+		return;					/* nothing emitted at this level */
+	if (event == SUBXACT_EVENT_COMMIT_SUB)
+		notify_level = level - 1;
+	else if (event == SUBXACT_EVENT_ABORT_SUB)
+		notify_level = 0;
+}
+
 void
 idem_outbox_init(void)
 {
+	RegisterXactCallback(outbox_xact_callback, NULL);
+	RegisterSubXactCallback(outbox_subxact_callback, NULL);
+
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
 							"Failed attempts after which an outbox event is dead-lettered.",
 							NULL,
@@ -502,9 +575,9 @@ announce_event(const OutboxEvent *ev)
 		(void) LogLogicalMessage(OUTBOX_MESSAGE_PREFIX, json, strlen(json), true);
 		pfree(json);
 	}
-	/* identical notifications of one transaction are sent once */
+	/* one NOTIFY per emitting transaction, sent at its commit */
 	if (outbox_notify == NOTIFY_COMMIT)
-		Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+		want_notify();
 }
 
 /*
