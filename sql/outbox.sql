@@ -1,10 +1,11 @@
 -- Outbox: the main outcomes of SPEC section 4, to read: emit, claim, ack,
 -- nack and backoff, dead letters (block and skip), redrive and discard,
--- fencing by lease token, the messages of outbox_mode 'wal', two-phase
--- commit of emits, the partitions view and maintenance of outbox
--- partitions.  Time moves (always forward) with the test-only setting
--- idempotency.debug_clock_offset.  Values that differ from run to run
--- (uuids, times) are shown as comparisons.
+-- fencing by lease token, the messages of outbox_mode 'wal' (and the
+-- backlog, which does not count them), two-phase commit of emits, the
+-- partitions view and maintenance of outbox partitions.  Time moves (always
+-- forward) with the test-only setting idempotency.debug_clock_offset.
+-- Values that differ from run to run (uuids, times) are shown as
+-- comparisons.
 CREATE EXTENSION idempotency;
 
 \i sql/include/try.sql
@@ -150,6 +151,19 @@ SET idempotency.outbox_mode = 'both';
 SELECT seq FROM idem_outbox_emit('cdc', 'c-2', 'created', '{"a": 3}');
 RESET idempotency.outbox_mode;
 SELECT seq FROM idem_outbox_emit('cdc', 'c-3', 'created', '{}');
+-- one aggregate in every mode: seq 1 and 3 in 'wal', seq 2 stored
+SET idempotency.outbox_mode = 'wal';
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'created', '{}');
+RESET idempotency.outbox_mode;
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'updated', '{}');
+SET idempotency.outbox_mode = 'wal';
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'closed', '{}');
+RESET idempotency.outbox_mode;
+-- what 'wal' emitted waits for no relay (logical decoding delivers it): the
+-- backlog counts the stored events only, c-2:1, c-3:1 and c-4:2
+SELECT aggregate_type, pending, dead, oldest_pending_age >= '0' AS has_age
+  FROM idempotency.outbox_backlog WHERE aggregate_type = 'cdc';
+SELECT outbox_pending FROM idempotency.stats WHERE scope = 'outbox:cdc';
 SELECT aggregate_id, seq, event_type FROM idempotency.outbox_events WHERE aggregate_type = 'cdc' ORDER BY 1, 2;
 WITH m AS (
     SELECT split_part(description, ',', 1) AS kind,
@@ -170,6 +184,9 @@ DROP EXTENSION pg_walinspect;
 CREATE TEMP TABLE c7 AS SELECT * FROM idem_outbox_claim();
 SELECT aggregate_id, seq FROM c7 ORDER BY 1, 2;
 SELECT idem_outbox_ack(ARRAY(SELECT id FROM c7), (SELECT lease_token FROM c7 LIMIT 1)) AS acked;
+-- delivered: nothing of 'cdc' is pending any more
+SELECT count(*) AS cdc_backlog FROM idempotency.outbox_backlog WHERE aggregate_type = 'cdc';
+SELECT count(*) AS cdc_stats FROM idempotency.stats WHERE scope = 'outbox:cdc';
 
 -- 8. Two-phase commit: an emitting transaction may be prepared, under the
 -- default outbox_notify = 'commit' too (a prepared transaction sends no

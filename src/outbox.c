@@ -9,7 +9,8 @@
  * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):
- *	- outbox_sequences: per aggregate, the seq of its newest event.  An emit
+ *	- outbox_sequences: per aggregate, the seq of its newest event (and of
+ *	  its newest stored and unstored one, for the backlog).  An emit
  *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
  *	  aggregate's first event, which also makes its deliveries row) and so
  *	  holds its row lock to commit: emits to one aggregate serialise, seq
@@ -316,8 +317,11 @@ idem_outbox_init(void)
 	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
 	" ON CONFLICT DO NOTHING"
 
+/* the new seq is stored ($3) or not ('wal') */
 #define NEXT_SEQ \
-	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1" \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1," \
+	" stored_seq = CASE WHEN $3 THEN last_seq + 1 ELSE stored_seq END," \
+	" wal_seq = CASE WHEN $3 THEN wal_seq ELSE last_seq + 1 END" \
 	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
 	" RETURNING last_seq"
 
@@ -348,35 +352,41 @@ typedef enum
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
 	[ST_EMIT_NEXT_SEQ] = {
-		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
+		NEXT_SEQ, 3, {TEXTOID, TEXTOID, BOOLOID}
 	},
 	/* otherwise (none updated): make the counter, or take it over from a racer */
 	[ST_EMIT_SEQ] = {
 		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
-		" VALUES ($1, $2, 1)"
-		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" VALUES ($1, $2, 1, CASE WHEN $3 THEN 1 ELSE 0 END, CASE WHEN $3 THEN 0 ELSE 1 END)"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1,"
+		"  stored_seq = CASE WHEN $3 THEN q.last_seq + 1 ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + 1 END"
 		" RETURNING q.last_seq), "
 		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
 		" SELECT last_seq FROM s",
-		2, {TEXTOID, TEXTOID}
+		3, {TEXTOID, TEXTOID, BOOLOID}
 	},
 	/* counts per aggregate, in the (sorted) order given: that is lock order */
 	[ST_RESERVE] = {
 		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
-		" SELECT $1, u.id, u.n"
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" SELECT $1, u.id, u.n, CASE WHEN $4 THEN u.n ELSE 0 END, CASE WHEN $4 THEN 0 ELSE u.n END"
 		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
 		" ORDER BY u.ord"
 		" ON CONFLICT (aggregate_type, aggregate_id)"
-		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq"
+		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq,"
+		"  stored_seq = CASE WHEN $4 THEN q.last_seq + excluded.last_seq ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $4 THEN q.wal_seq ELSE q.last_seq + excluded.last_seq END"
 		" RETURNING q.aggregate_id, q.last_seq), "
 		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
 		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
 								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
 								   " ORDER BY 2") ")"
 		" SELECT aggregate_id, last_seq FROM s",
-		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
+		4, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID, BOOLOID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
@@ -665,7 +675,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 {
 	OutboxEvent ev;
 	TupleDesc	desc = idem_result_tupdesc(fcinfo);
-	Datum		values[2];
+	Datum		values[3];
 	uint64		n;
 	int32		bucket;
 	Relation	rel = NULL;
@@ -689,6 +699,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	idem_row_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
+	values[2] = BoolGetDatum(outbox_mode != MODE_WAL);
 	n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
 	if (n == 0)
 		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
@@ -803,7 +814,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	next_seq = palloc(sizeof(int64) * nagg);
 	SPI_connect();
 	{
-		Datum		values[3];
+		Datum		values[4];
 		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
 		uint64		got;
 
@@ -812,6 +823,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[0] = CStringGetTextDatum(aggregate_type);
 		values[1] = idem_build_array(name_datums, NULL, nagg, TEXTOID);
 		values[2] = idem_build_array(counts, NULL, nagg, INT8OID);
+		values[3] = BoolGetDatum(outbox_mode != MODE_WAL);
 		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
 		if (got != (uint64) nagg)
 			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);

@@ -48,11 +48,15 @@ ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partition
 
 -- Per aggregate: the seq of its newest event.  Emitters update it (and hold
 -- its row lock to commit: that is what makes seq gap-free and in commit
--- order).
+-- order).  stored_seq and wal_seq say which of those seqs have an event row:
+-- outbox_mode 'wal' emits none (logical decoding delivers it), so no relay
+-- waits for it and the backlog does not count it.
 CREATE TABLE idempotency.outbox_sequences (
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
     last_seq       bigint NOT NULL,
+    stored_seq     bigint NOT NULL DEFAULT 0,   -- the newest seq stored as a row (0: none)
+    wal_seq        bigint NOT NULL DEFAULT 0,   -- the newest seq not stored ('wal'; 0: none)
     PRIMARY KEY (aggregate_type, aggregate_id)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');

@@ -14,7 +14,7 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(307);
+SELECT plan(312);
 
 -- helpers -------------------------------------------------------------------
 
@@ -707,8 +707,19 @@ SELECT is((idem_outbox_emit('wal', 'w1', 'x', '{}')).seq, 4::bigint, 'both: the 
 SELECT is((SELECT count(*)::int FROM idempotency.outbox_events WHERE aggregate_type = 'wal'), 1, 'both: the row is stored');
 SELECT pg_temp.setting('outbox_mode', 'table') \g /dev/null
 SELECT is((idem_outbox_emit('wal', 'w1', 'x', '{}')).seq, 5::bigint, 'table: the next seq');
+SELECT is((SELECT ARRAY[last_seq, stored_seq, wal_seq] FROM idempotency.outbox_sequences
+            WHERE aggregate_type = 'wal' AND aggregate_id = 'w1'), ARRAY[5, 5, 3]::bigint[],
+          'outbox_sequences: the newest seq, the newest stored, the newest not stored');
+SELECT is((SELECT ARRAY[last_seq, stored_seq, wal_seq] FROM idempotency.outbox_sequences
+            WHERE aggregate_type = 'wal' AND aggregate_id = 'w2'), ARRAY[2, 0, 2]::bigint[],
+          '... of an aggregate that went to WAL only');
+SELECT is((SELECT pending FROM idempotency.outbox_backlog WHERE aggregate_type = 'wal'), 2::bigint,
+          'the backlog counts only the stored events (w1: 4, 5)');
 SELECT is(pg_temp.claim('w', ARRAY['wal']), 2, 'a relay gets the stored events of an aggregate whose first events went to WAL only');
 SELECT is(pg_temp.runs('w'), 'w1:4,w1:5', '... seqs 4 and 5');
+SELECT is(idem_outbox_ack(pg_temp.ids('w'), pg_temp.tok('w')), 2, '... delivered');
+SELECT is((SELECT count(*)::int FROM idempotency.outbox_backlog WHERE aggregate_type = 'wal'), 0,
+          'then nothing of that type is pending');
 
 -- 11. aggregate_types -------------------------------------------------------
 
