@@ -27,9 +27,13 @@
  *	  event that is delivered or belongs to a parked aggregate, and never
  *	  passes the xmin of a snapshot taken before the scan: every transaction
  *	  below that has ended, so no event can appear behind the cursor later.
- *	  A cursor value stays valid forever (acked_seq only grows; a parked
- *	  aggregate stays parked until it has nothing pending), so each relay
- *	  keeps one in memory and writes it back about once a second.
+ *	  A cursor value stays valid forever (acked_seq only grows, but for a
+ *	  rewind, which parks; a parked aggregate stays parked until it has
+ *	  nothing pending), so each relay keeps one in memory and writes it back
+ *	  about once a second.  A scan page's rows, candidates and locked rows
+ *	  live in a memory context of their own (an SPI level per page), so a
+ *	  claim's memory is bounded by its batch and a page, whatever backlog it
+ *	  scans.
  *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
  *	  was redriven has retry_at set and is found through the partial index
  *	  on retry_at instead, until it has nothing pending.  Unparking reads
@@ -1587,78 +1591,104 @@ lease_candidates(Claim *c, CandidateSet *cs)
 	}
 }
 
+/* Where a claim's scan of events stands between pages. */
+typedef struct EventScan
+{
+	OutboxPos	last_seen;		/* the last event scanned */
+	OutboxPos	first_pending;	/* the first event scanned that is still pending */
+	bool		pending_seen;
+	bool		first_page;
+} EventScan;
+
 /*
- * Scan events from the cursor, lease the aggregates met that can be leased,
- * and move the cursor up to the first event still pending.
+ * Scan a page of events from st->last_seen and lease the aggregates met
+ * that can be leased.  The page runs at an SPI level of its own: its rows,
+ * its candidates and the rows locked for them are freed when it ends (what
+ * the claim hands out is in its tuplestore by then), so a claim's memory
+ * does not grow with the pages it scans.  An aggregate tried on an earlier
+ * page and met again is tried again: the locking statement passes over it
+ * if it is leased (by this claim too) or locked.  Returns the page's rows.
+ */
+static uint64
+scan_page(Claim *c, EventScan *st)
+{
+	CandidateSet cs = {0};
+	SPITupleTable *tt;
+	uint64		got;
+	Datum		args[2];
+
+	SPI_connect();
+	/* pages follow each other by key: each starts at the last row seen */
+	args[0] = FullTransactionIdGetDatum(st->last_seen.txid);
+	args[1] = UUIDPGetDatum(&st->last_seen.id);
+	got = outbox_exec(ST_SCAN, args, NULL, SPI_OK_SELECT);
+	tt = SPI_tuptable;
+	for (uint64 r = 0; r < got; r++)
+	{
+		HeapTuple	tup = tt->vals[r];
+		TupleDesc	desc = tt->tupdesc;
+		bool		isnull;
+		int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
+		Datum		acked = heap_getattr(tup, 10, desc, &isnull);
+		bool		has_row = !isnull;
+		OutboxPos	pos;
+		Datum		until;
+		char	   *type;
+		char	   *id;
+		Candidate  *cand;
+
+		pos.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
+		memcpy(&pos.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
+		if (!st->first_page && pos_cmp(&pos, &st->last_seen) == 0)
+			continue;			/* the last row of the previous page */
+		st->last_seen = pos;
+		if (has_row && seq <= DatumGetInt64(acked))
+			continue;			/* delivered */
+		(void) heap_getattr(tup, 12, desc, &isnull);
+		if (!isnull)
+			continue;			/* parked: found through retry_at */
+		if (!st->pending_seen)
+		{
+			st->first_pending = pos;
+			st->pending_seen = true;
+		}
+		until = heap_getattr(tup, 11, desc, &isnull);
+		if (!isnull && DatumGetTimestampTz(until) > c->now)
+			continue;			/* leased by another relay */
+		type = TextDatumGetCString(heap_getattr(tup, 2, desc, &isnull));
+		if (!type_wanted(c, type))
+			continue;
+		id = TextDatumGetCString(heap_getattr(tup, 3, desc, &isnull));
+		cand = candidate_get(&cs, type, id, true);
+		if (cand->tried)
+			continue;
+		cand->has_row = has_row;
+		candidate_add_event(cand, tup, desc, seq);
+	}
+	st->first_page = false;
+	lease_candidates(c, &cs);
+	SPI_finish();
+	return got;
+}
+
+/*
+ * Scan events from the cursor, a page at a time, lease the aggregates met
+ * that can be leased, and move the cursor up to the first event still
+ * pending.
  */
 static void
 claim_by_cursor(Claim *c)
 {
 	OutboxPos	horizon = event_horizon();
 	OutboxPos	from = read_cursor();
-	OutboxPos	first_pending = {{0}, {{0}}};
-	bool		pending_seen = false;
-	OutboxPos	last_seen = from;
+	EventScan	st = {0};
 	bool		exhausted = false;
-	bool		first_page = true;
-	CandidateSet cs = {0};
 
+	st.last_seen = from;
+	st.first_page = true;
 	while (c->taken < c->batch)
 	{
-		SPITupleTable *tt;
-		uint64		got;
-		Datum		args[2];
-
-		/* pages follow each other by key: each starts at the last row seen */
-		args[0] = FullTransactionIdGetDatum(last_seen.txid);
-		args[1] = UUIDPGetDatum(&last_seen.id);
-		got = outbox_exec(ST_SCAN, args, NULL, SPI_OK_SELECT);
-		tt = SPI_tuptable;
-		for (uint64 r = 0; r < got; r++)
-		{
-			HeapTuple	tup = tt->vals[r];
-			TupleDesc	desc = tt->tupdesc;
-			bool		isnull;
-			int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
-			Datum		acked = heap_getattr(tup, 10, desc, &isnull);
-			bool		has_row = !isnull;
-			OutboxPos	pos;
-			Datum		until;
-			char	   *type;
-			char	   *id;
-			Candidate  *cand;
-
-			pos.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
-			memcpy(&pos.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
-			if (!first_page && pos_cmp(&pos, &last_seen) == 0)
-				continue;		/* the last row of the previous page */
-			last_seen = pos;
-			if (has_row && seq <= DatumGetInt64(acked))
-				continue;		/* delivered */
-			(void) heap_getattr(tup, 12, desc, &isnull);
-			if (!isnull)
-				continue;		/* parked: found through retry_at */
-			if (!pending_seen)
-			{
-				first_pending = pos;
-				pending_seen = true;
-			}
-			until = heap_getattr(tup, 11, desc, &isnull);
-			if (!isnull && DatumGetTimestampTz(until) > c->now)
-				continue;		/* leased by another relay */
-			type = TextDatumGetCString(heap_getattr(tup, 2, desc, &isnull));
-			if (!type_wanted(c, type))
-				continue;
-			id = TextDatumGetCString(heap_getattr(tup, 3, desc, &isnull));
-			cand = candidate_get(&cs, type, id, true);
-			if (cand->tried)
-				continue;
-			cand->has_row = has_row;
-			candidate_add_event(cand, tup, desc, seq);
-		}
-		first_page = false;
-		lease_candidates(c, &cs);
-		if (got < OUTBOX_SCAN_CHUNK)
+		if (scan_page(c, &st) < OUTBOX_SCAN_CHUNK)
 		{
 			exhausted = true;
 			break;
@@ -1666,10 +1696,10 @@ claim_by_cursor(Claim *c)
 	}
 
 	/* the cursor moves up to the first pending event, never past horizon */
-	if (pending_seen && pos_cmp(&first_pending, &horizon) < 0)
-		horizon = first_pending;
-	else if (!pending_seen && !exhausted && pos_cmp(&last_seen, &horizon) < 0)
-		horizon = last_seen;
+	if (st.pending_seen && pos_cmp(&st.first_pending, &horizon) < 0)
+		horizon = st.first_pending;
+	else if (!st.pending_seen && !exhausted && pos_cmp(&st.last_seen, &horizon) < 0)
+		horizon = st.last_seen;
 	if (pos_cmp(&horizon, &from) > 0)
 		write_cursor(horizon, c->now);
 }
