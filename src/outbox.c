@@ -37,8 +37,11 @@
  *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
  *	  was redriven has retry_at set and is found through the partial index
  *	  on retry_at instead, until it has nothing pending.  Unparking reads
- *	  the newest seq under FOR SHARE, so it waits for an emit in flight and
- *	  never leaves a new event behind the cursor.
+ *	  the newest stored seq under FOR SHARE SKIP LOCKED: with an emit in
+ *	  flight (the row is locked) it does not unpark, and leaves the
+ *	  aggregate due now instead (the next claim looks again), so it never
+ *	  waits for an emitter (which may be a prepared transaction) and never
+ *	  leaves a new event behind the cursor.
  *
  * Locking rules:
  *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
@@ -48,8 +51,10 @@
  *	  never waits for another relay; an aggregate locked by one is left to
  *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
  *	  order.  Relays never lock outbox_sequences except to unpark (FOR
- *	  SHARE, after their deliveries row), and emitters never lock
- *	  outbox_deliveries, so emitters and relays never deadlock.
+ *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
+ *	  emitter), and emitters never lock outbox_deliveries, so emitters and
+ *	  relays never deadlock.  An emitter may wait for the commit of a relay
+ *	  that just unparked its aggregate (the relay's share lock).
  *	- the cursor row is written with SKIP LOCKED: a busy row means another
  *	  relay is moving it.
  *
@@ -459,15 +464,25 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		9, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
 			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
 	},
-	/* FOR SHARE: wait for an emit in flight, and see its seq */
+	/*
+	 * Unpark if nothing stored is pending: the counter's row under FOR SHARE
+	 * SKIP LOCKED, so that a committed emit's seq is seen and the next emit
+	 * waits for this transaction; an emit in flight (a locked row: NULL)
+	 * keeps the aggregate parked, due at $3 at the latest, instead of a
+	 * wait.  No counter at all: nothing was ever emitted.
+	 */
 	[ST_UNPARK] = {
-		"UPDATE idempotency.outbox_deliveries d SET retry_at = NULL"
+		"UPDATE idempotency.outbox_deliveries d"
+		" SET retry_at = CASE"
+		"   WHEN d.acked_seq >= (SELECT s.stored_seq FROM idempotency.outbox_sequences s"
+		"                        WHERE s.aggregate_type = d.aggregate_type"
+		"                          AND s.aggregate_id = d.aggregate_id FOR SHARE SKIP LOCKED)"
+		"     OR NOT EXISTS (SELECT FROM idempotency.outbox_sequences s"
+		"                    WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id)"
+		"   THEN NULL ELSE greatest(d.retry_at, $3) END"
 		" WHERE d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
-		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL"
-		"   AND d.acked_seq >= coalesce((SELECT s.last_seq FROM idempotency.outbox_sequences s"
-		"                                WHERE s.aggregate_type = d.aggregate_type"
-		"                                  AND s.aggregate_id = d.aggregate_id FOR SHARE), 0)",
-		2, {TEXTOID, TEXTOID}
+		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL",
+		3, {TEXTOID, TEXTOID, TIMESTAMPTZOID}
 	},
 	[ST_DEAD_LETTER] = {
 		"INSERT INTO idempotency.outbox_dead_letters"
@@ -939,7 +954,7 @@ end_lease(Delivery *d)
 
 /* Write back every changed row, then unpark those that asked for it. */
 static void
-write_deliveries(Delivery *ds, int n)
+write_deliveries(Delivery *ds, int n, TimestampTz now)
 {
 	static const Oid elemtypes[9] = {TIDOID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID,
 	INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
@@ -984,10 +999,11 @@ write_deliveries(Delivery *ds, int n)
 	{
 		if (ds[i].unpark)
 		{
-			Datum		keys[2];
+			Datum		keys[3];
 
 			keys[0] = CStringGetTextDatum(ds[i].aggregate_type);
 			keys[1] = CStringGetTextDatum(ds[i].aggregate_id);
+			keys[2] = TimestampTzGetDatum(now);
 			(void) outbox_exec(ST_UNPARK, keys, NULL, SPI_OK_UPDATE);
 		}
 	}
@@ -1320,7 +1336,7 @@ claim_parked(Claim *c, OutboxStatement st)
 		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= ds[i].last_seq)
 			ds[i].unpark = true;
 	}
-	write_deliveries(ds, n);
+	write_deliveries(ds, n, c->now);
 }
 
 /*---- the cursor ----*/
@@ -1587,7 +1603,7 @@ lease_candidates(Claim *c, CandidateSet *cs)
 			if (ds[i].leased && lease_is(&ds[i], &c->token))
 				leased++;
 		}
-		write_deliveries(ds, nlocked);
+		write_deliveries(ds, nlocked, c->now);
 	}
 }
 
@@ -1863,8 +1879,8 @@ advance(Delivery *d, int64 to)
 		end_lease(d);
 	if (!d->leased)
 		d->attempts = 0;
-	if (d->parked && !d->dead)
-		d->unpark = !d->leased;
+	if (d->parked && !d->dead && !d->leased && d->acked >= d->last_seq)
+		d->unpark = true;
 }
 
 Datum
@@ -1918,7 +1934,7 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 			advance(d, expect - 1);
 		}
 	}
-	write_deliveries(ds, nlocked);
+	write_deliveries(ds, nlocked, now);
 	SPI_finish();
 	PG_RETURN_INT32(marked);
 }
@@ -1968,7 +1984,7 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 			(void) head_exhausted(d, now);
 			d->retry_at = now;
 		}
-		write_deliveries(d, 1);
+		write_deliveries(d, 1, now);
 	}
 	SPI_finish();
 	PG_RETURN_VOID();
@@ -2059,7 +2075,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 		if (k > 0)
 			fn(&ds[i], seqs, k, now);
 	}
-	write_deliveries(ds, nlocked);
+	write_deliveries(ds, nlocked, now);
 	(void) outbox_exec(ST_DELETE_DEAD, &arr, NULL, SPI_OK_DELETE);
 	SPI_finish();
 	return (int) got;
