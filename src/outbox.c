@@ -16,7 +16,8 @@
  *	  holds its row lock to commit: emits to one aggregate serialise, seq
  *	  follows commit order, and a rollback takes its number back (no gaps).
  *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
- *	  the lease, attempts of the head event, and retry_at.
+ *	  the lease, attempts of the head event, retry_at, the dead head and a
+ *	  redrive waiting for the lease.
  *
  * An event id (a UUIDv7) carries created_at, the partition's bucket and the
  * emitting transaction, so acks find an event with one index probe.
@@ -42,6 +43,21 @@
  *	  aggregate due now instead (the next claim looks again), so it never
  *	  waits for an emitter (which may be a prepared transaction) and never
  *	  leaves a new event behind the cursor.
+ *
+ * Delivery states.  Every state of a deliveries row has a way out, and the
+ * CHECK constraints on the table keep out those that would not:
+ *	- idle (no lease, not parked): the cursor finds its pending events;
+ *	- leased: the holder's ack of its run, its nack, or expiry (then the
+ *	  cursor, or retry_at if parked, finds it: an expired lease counts as
+ *	  no lease to every claim);
+ *	- parked, due at retry_at (finite): a claim once it is due;
+ *	- parked for good (retry_at = infinity): only at a dead head (CHECK),
+ *	  which a claim under 'skip', a redrive or a discard ends.  Whatever
+ *	  clears a dead head (skip, ack, rewind, discard) makes the aggregate
+ *	  due now, so it never stays parked for good without one;
+ *	- a dead head is parked and leased to nobody (CHECK);
+ *	- a redrive waiting for a live lease (redrive_seq): applied when the
+ *	  lease ends, however it ends (CHECK: only beside a lease).
  *
  * Locking rules:
  *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
@@ -297,7 +313,7 @@ idem_outbox_init(void)
  */
 #define DELIVERY_COLUMNS \
 	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
-	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error," \
+	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error, d.redrive_seq," \
 	" coalesce(s.last_seq, 0), d.row_ctid"
 #define DELIVERY_JOIN_SEQUENCES \
 	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
@@ -456,13 +472,13 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"UPDATE idempotency.outbox_deliveries d"
 		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
 		"     lease_until = u.until, attempts = u.attempts, retry_at = u.retry,"
-		"     dead_seq = u.dead, last_error = u.err"
+		"     dead_seq = u.dead, last_error = u.err, redrive_seq = u.redrive"
 		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
-		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[])"
-		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err)"
+		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[], $10::int8[])"
+		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err, redrive)"
 		" WHERE d.ctid = u.row_ctid",
-		9, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
-			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
+		10, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
+			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
 	/*
 	 * Unpark if nothing stored is pending: the counter's row under FOR SHARE
@@ -492,7 +508,9 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"        e.headers, e.created_at, $4, $5, $6"
 		" FROM idempotency.outbox_events e"
 		" WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\" AND e.seq = $3"
-		" ON CONFLICT (id) DO NOTHING",
+		/* dead again after a rewind: the listing says so */
+		" ON CONFLICT (id) DO UPDATE SET attempts = excluded.attempts,"
+		"  last_error = excluded.last_error, dead_at = excluded.dead_at",
 		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
 	},
 	/* the ids say their partition and transaction: one (txid, id) probe each */
@@ -890,9 +908,11 @@ typedef struct Delivery
 	int32		attempts;
 	bool		parked;			/* retry_at set */
 	TimestampTz retry_at;
-	bool		dead;			/* dead_seq set */
+	bool		dead;			/* dead_seq set: the head (acked + 1) is dead */
 	int64		dead_seq;
 	char	   *error;			/* last_error, or NULL */
+	bool		redrive;		/* redrive_seq set: waiting for the lease to end */
+	int64		redrive_seq;
 	int64		last_seq;		/* newest seq, as the locking statement saw it */
 	ItemPointerData ctid;		/* of the locked row version */
 	bool		changed;
@@ -939,31 +959,90 @@ read_deliveries(uint64 n)
 			d->dead_seq = DatumGetInt64(v);
 		v = idem_spi_col(r, 10, &isnull);
 		d->error = isnull ? NULL : TextDatumGetCString(v);
-		d->last_seq = DatumGetInt64(idem_spi_col(r, 11, &isnull));
-		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 12, &isnull)), &d->ctid);
+		v = idem_spi_col(r, 11, &isnull);
+		d->redrive = !isnull;
+		if (!isnull)
+			d->redrive_seq = DatumGetInt64(v);
+		d->last_seq = DatumGetInt64(idem_spi_col(r, 12, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 13, &isnull)), &d->ctid);
 	}
 	return ds;
 }
 
+/*
+ * The transitions of a deliveries row.  They keep the states of "Delivery
+ * states" above (and the table's CHECK constraints): retry_at = infinity
+ * only at a dead head, a dead head parked and not leased, a waiting redrive
+ * only beside a lease.
+ */
+
+/* Park d, due at "at": found through retry_at, not the cursor. */
 static void
-end_lease(Delivery *d)
+park(Delivery *d, TimestampTz at)
 {
-	d->leased = false;
+	d->parked = true;
+	d->retry_at = at;
 	d->changed = true;
 }
 
+/*
+ * The head is no longer dead (passed over, acked by hand, rewound past,
+ * discarded): an aggregate parked for good becomes due now.  It stays
+ * parked, as the cursor may have passed what follows.
+ */
+static void
+clear_dead(Delivery *d, TimestampTz now)
+{
+	d->dead = false;
+	if (d->parked && TIMESTAMP_IS_NOEND(d->retry_at))
+		d->retry_at = now;
+	d->changed = true;
+}
+
+/*
+ * Go back to seq (at most acked + 1): what follows is delivered again, in
+ * order, including later events that died (they are retried in turn; their
+ * dead letters stay listed until redriven or discarded).  What it goes back
+ * to is behind the cursor: the aggregate is parked, due now.  Ends any
+ * lease: the caller has made sure that none is live, or that it ended.
+ */
+static void
+rewind_to(Delivery *d, int64 seq, TimestampTz now)
+{
+	if (seq <= d->acked)
+		d->acked = seq - 1;
+	d->redrive = false;
+	d->leased = false;
+	if (d->dead && d->dead_seq > d->acked + 1)
+		clear_dead(d, now);
+	d->attempts = 0;
+	d->error = NULL;
+	park(d, now);
+}
+
+/* The lease ends; a redrive that waited for that happens now. */
+static void
+end_lease(Delivery *d, TimestampTz now)
+{
+	d->leased = false;
+	d->changed = true;
+	if (d->redrive)
+		rewind_to(d, d->redrive_seq, now);
+}
+
 /* Write back every changed row, then unpark those that asked for it. */
+#define SET_STATE_COLUMNS	10
 static void
 write_deliveries(Delivery *ds, int n, TimestampTz now)
 {
-	static const Oid elemtypes[9] = {TIDOID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID,
-	INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
-	Datum	   *v[9];
-	bool	   *isnull[9];
-	Datum		values[9];
+	static const Oid elemtypes[SET_STATE_COLUMNS] = {TIDOID, INT8OID, INT8OID, UUIDOID,
+		TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID, INT8OID};
+	Datum	   *v[SET_STATE_COLUMNS];
+	bool	   *isnull[SET_STATE_COLUMNS];
+	Datum		values[SET_STATE_COLUMNS];
 	int			m = 0;
 
-	for (int c = 0; c < 9; c++)
+	for (int c = 0; c < SET_STATE_COLUMNS; c++)
 	{
 		v[c] = palloc(sizeof(Datum) * Max(n, 1));
 		isnull[c] = palloc0(sizeof(bool) * Max(n, 1));
@@ -974,6 +1053,9 @@ write_deliveries(Delivery *ds, int n, TimestampTz now)
 
 		if (!d->changed)
 			continue;
+		Assert(!d->parked || !TIMESTAMP_IS_NOEND(d->retry_at) || d->dead);
+		Assert(!d->dead || (d->parked && !d->leased && d->dead_seq == d->acked + 1));
+		Assert(!d->redrive || d->leased);
 		v[0][m] = PointerGetDatum(&d->ctid);
 		v[1][m] = Int64GetDatum(d->acked);
 		v[2][m] = Int64GetDatum(d->leased_seq);
@@ -987,11 +1069,13 @@ write_deliveries(Delivery *ds, int n, TimestampTz now)
 		isnull[7][m] = !d->dead;
 		v[8][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
 		isnull[8][m] = d->error == NULL;
+		v[9][m] = Int64GetDatum(d->redrive_seq);
+		isnull[9][m] = !d->redrive;
 		m++;
 	}
 	if (m > 0)
 	{
-		for (int c = 0; c < 9; c++)
+		for (int c = 0; c < SET_STATE_COLUMNS; c++)
 			values[c] = idem_build_array(v[c], isnull[c], m, elemtypes[c]);
 		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
 	}
@@ -1072,8 +1156,11 @@ lease_held(const Delivery *d, const pg_uuid_t *token, TimestampTz now)
 	return lease_live(d, now) && lease_is(d, token);
 }
 
-/* Copy the event at seq of d's aggregate into the dead letters. */
-static void
+/*
+ * Copy the event at seq of d's aggregate into the dead letters; false if it
+ * has no row to copy (emitted in outbox_mode 'wal', or its partition is gone).
+ */
+static bool
 dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
 {
 	Datum		values[6];
@@ -1088,46 +1175,52 @@ dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
 	else
 		nulls[4] = 'n';
 	values[5] = TimestampTzGetDatum(now);
-	(void) outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT);
+	return outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT) > 0;
 }
 
 /*
  * The head of d has been handed out outbox_max_attempts times and every
- * attempt failed: dead-letter it, and apply the dead policy.  Returns true
- * if the aggregate may go on (policy 'skip').
+ * attempt failed: dead-letter it (the caller applies the dead policy).  A
+ * head with no row to dead-letter is passed over: nothing could redrive or
+ * discard it.  The caller has applied any waiting redrive.
  */
-static bool
+static void
 head_exhausted(Delivery *d, TimestampTz now)
 {
-	dead_letter(d, d->acked + 1, d->error != NULL ? d->error : "lease expired", now);
-	d->dead = true;
-	d->dead_seq = d->acked + 1;
-	d->changed = true;
-	end_lease(d);
-	return false;
+	int64		head = d->acked + 1;
+
+	Assert(!d->redrive);
+	end_lease(d, now);
+	if (dead_letter(d, head, d->error != NULL ? d->error : "lease expired", now))
+	{
+		d->dead = true;
+		d->dead_seq = head;
+		return;
+	}
+	d->acked = head;
+	d->attempts = 0;
+	d->error = NULL;
 }
 
 /*
  * A dead head under the policy in force: 'skip' passes it (its dead letter
  * stays) and returns true; 'block' parks the aggregate for good (until a
- * redrive or discard) and returns false.
+ * redrive, a discard or a claim under 'skip') and returns false.
  */
 static bool
-apply_dead_policy(Delivery *d)
+apply_dead_policy(Delivery *d, TimestampTz now)
 {
+	Assert(d->dead && !d->leased);
 	d->changed = true;
 	if (outbox_dead_policy == DEAD_SKIP)
 	{
-		if (d->dead_seq > d->acked)
-			d->acked = d->dead_seq;
-		d->dead = false;
+		d->acked = d->dead_seq;
+		clear_dead(d, now);
 		d->attempts = 0;
 		d->error = NULL;
 		return true;
 	}
-	d->parked = true;
-	d->retry_at = DT_NOEND;
-	end_lease(d);
+	park(d, DT_NOEND);
 	return false;
 }
 
@@ -1239,12 +1332,20 @@ take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
 	int			count = 0;
 	int64		expect;
 
-	if (d->dead && !apply_dead_policy(d))
+	/*
+	 * No live lease here: an expired one ends now (and a redrive that waited
+	 * for it goes back; then the scan's events may not reach the new head,
+	 * which is seen below).
+	 */
+	Assert(!lease_live(d, c->now));
+	if (d->leased)
+		end_lease(d, c->now);
+	if (d->dead && !apply_dead_policy(d, c->now))
 		return;
 	if (d->attempts >= outbox_max_attempts && d->acked < d->last_seq)
 	{
-		(void) head_exhausted(d, c->now);
-		if (!apply_dead_policy(d))
+		head_exhausted(d, c->now);
+		if (d->dead && !apply_dead_policy(d, c->now))
 			return;
 	}
 
@@ -1865,18 +1966,23 @@ distinct_aggregates(FoundEvent *f, int n, char ***types, char ***ids)
 }
 
 /*
- * Mark d delivered up to a seq; the lease ends once its run is delivered.
- * attempts counts the hand-outs of the head: a new head that was handed out
- * in the run (a partial ack) keeps the count, a new one starts at 0.
+ * Mark d delivered up to a seq; the lease ends once its run is delivered
+ * (and a redrive that waited for that goes back).  attempts counts the
+ * hand-outs of the head: a new head that was handed out in the run (a
+ * partial ack) keeps the count, a new one starts at 0.  A dead head acked
+ * by hand (no lease token) is passed like 'skip' would.  A parked aggregate
+ * with nothing known to be pending tries to unpark.
  */
 static void
-advance(Delivery *d, int64 to)
+advance(Delivery *d, int64 to, TimestampTz now)
 {
 	d->acked = to;
 	d->error = NULL;
 	d->changed = true;
+	if (d->dead && d->dead_seq <= to)
+		clear_dead(d, now);
 	if (d->leased && d->acked >= d->leased_seq)
-		end_lease(d);
+		end_lease(d, now);
 	if (!d->leased)
 		d->attempts = 0;
 	if (d->parked && !d->dead && !d->leased && d->acked >= d->last_seq)
@@ -1931,7 +2037,7 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 		if (expect > d->acked + 1)
 		{
 			marked += (int) (expect - 1 - d->acked);
-			advance(d, expect - 1);
+			advance(d, expect - 1, now);
 		}
 	}
 	write_deliveries(ds, nlocked, now);
@@ -1975,14 +2081,24 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	if (nlocked == 1 && found[0].seq > d->acked && !d->dead &&
 		(!fenced || lease_held(d, PG_GETARG_UUID_P(3), now)))
 	{
-		d->error = error;
-		end_lease(d);
-		d->parked = true;
-		if (idem_attempt_failed(d->attempts, outbox_max_attempts, retry_after, now, &d->retry_at))
+		if (d->redrive)
 		{
-			/* dead now; the next claim applies the dead policy */
-			(void) head_exhausted(d, now);
-			d->retry_at = now;
+			/* a redrive waited for this lease: back to it, no failure counted */
+			end_lease(d, now);
+		}
+		else
+		{
+			TimestampTz retry_at;
+
+			d->error = error;
+			end_lease(d, now);
+			if (idem_attempt_failed(d->attempts, outbox_max_attempts, retry_after, now, &retry_at))
+			{
+				/* dead now; the next claim applies the dead policy */
+				head_exhausted(d, now);
+				retry_at = now;
+			}
+			park(d, retry_at);
 		}
 		write_deliveries(d, 1, now);
 	}
@@ -2087,29 +2203,46 @@ park_now(Delivery *d, TimestampTz now)
 {
 	d->attempts = 0;
 	d->error = NULL;
-	d->parked = true;
-	d->retry_at = now;
-	d->changed = true;
-	end_lease(d);
+	end_lease(d, now);
+	park(d, now);
 }
 
 /*
  * Redrive: a blocked head is unblocked; an aggregate that went on past a
  * dead event (policy 'skip') goes back to it, so what followed it is
- * delivered again, in order (consumers dedupe on seq).  seqs are sorted.
+ * delivered again, in order (consumers dedupe on seq).  While a relay holds
+ * a live lease on the aggregate, going back waits for that lease to end
+ * (end_lease): the holder is never revoked without knowing, and no other
+ * relay is handed the aggregate meanwhile.  A dead letter of an event still
+ * ahead of the head (it died, and a rewind came back before it) needs
+ * nothing: it is delivered in turn.  seqs are sorted.
  */
 static void
 redrive_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
 {
-	if (d->dead)
-	{
-		for (int i = 0; i < nseqs; i++)
-			if (seqs[i] == d->dead_seq)
-				d->dead = false;
-	}
 	if (seqs[0] <= d->acked)
-		d->acked = seqs[0] - 1;
-	park_now(d, now);
+	{
+		if (lease_live(d, now))
+		{
+			if (!d->redrive || seqs[0] < d->redrive_seq)
+			{
+				d->redrive = true;
+				d->redrive_seq = seqs[0];
+				d->changed = true;
+			}
+			return;
+		}
+		rewind_to(d, seqs[0], now);
+		return;
+	}
+	for (int i = 0; i < nseqs; i++)
+	{
+		if (d->dead && seqs[i] == d->dead_seq)
+		{
+			clear_dead(d, now);
+			park_now(d, now);
+		}
+	}
 }
 
 /* Discard: a blocked head is passed over for good. */
@@ -2120,9 +2253,8 @@ discard_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
 	{
 		if (d->dead && seqs[i] == d->dead_seq)
 		{
-			d->dead = false;
-			if (d->acked < d->dead_seq)
-				d->acked = d->dead_seq;
+			d->acked = d->dead_seq;
+			clear_dead(d, now);
 			park_now(d, now);
 		}
 	}

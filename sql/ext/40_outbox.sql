@@ -63,6 +63,10 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 
 -- Per aggregate: how far delivery got, and who holds it.  Relays update it;
 -- only a change of retry_at (parking after a failure, unparking) is not HOT.
+-- Every state has a way out, and the checks keep out those that would not
+-- (see "Delivery states" in src/outbox.c): an aggregate is parked for good
+-- only at a dead head (which skip, redrive and discard see), a dead head is
+-- parked and leased to nobody, and a redrive waits only for a lease.
 CREATE TABLE idempotency.outbox_deliveries (
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
@@ -74,7 +78,16 @@ CREATE TABLE idempotency.outbox_deliveries (
     retry_at       timestamptz,                 -- parked: found by this, not by the cursor
     dead_seq       bigint,                      -- the head is dead-lettered
     last_error     text,
-    PRIMARY KEY (aggregate_type, aggregate_id)
+    redrive_seq    bigint,                      -- redriven behind the live lease: back here once it ends
+    PRIMARY KEY (aggregate_type, aggregate_id),
+    CONSTRAINT outbox_deliveries_lease
+        CHECK ((leased_seq IS NULL) = (lease_token IS NULL) AND (lease_token IS NULL) = (lease_until IS NULL)),
+    CONSTRAINT outbox_deliveries_dead_head
+        CHECK (dead_seq IS NULL OR (dead_seq = acked_seq + 1 AND retry_at IS NOT NULL AND lease_token IS NULL)),
+    CONSTRAINT outbox_deliveries_blocked
+        CHECK (retry_at <> 'infinity' OR dead_seq IS NOT NULL),
+    CONSTRAINT outbox_deliveries_redrive
+        CHECK (redrive_seq IS NULL OR lease_token IS NOT NULL)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
 CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
