@@ -1,9 +1,11 @@
 -- Outbox: the main outcomes of SPEC section 4, to read: emit, claim, ack,
 -- nack and backoff, dead letters (block and skip), redrive and discard,
--- fencing by lease token, the messages of outbox_mode 'wal', the partitions
--- view and maintenance of outbox partitions.  Time moves (always forward)
--- with the test-only setting idempotency.debug_clock_offset.  Values that
--- differ from run to run (uuids, times) are shown as comparisons.
+-- fencing by lease token, the messages of outbox_mode 'wal' (and the
+-- backlog, which does not count them), two-phase commit of emits, the
+-- partitions view and maintenance of outbox partitions.  Time moves (always
+-- forward) with the test-only setting idempotency.debug_clock_offset.
+-- Values that differ from run to run (uuids, times) are shown as
+-- comparisons.
 CREATE EXTENSION idempotency;
 
 \i sql/include/try.sql
@@ -132,7 +134,7 @@ SELECT idem_outbox_extend((SELECT lease_token FROM fast), '1 minute') AS live_ex
 SELECT idem_outbox_ack(ARRAY(SELECT id FROM fast), (SELECT lease_token FROM fast)) AS live_ack;
 SELECT aggregate_id, acked_seq, lease_token IS NULL AS lease_ended
   FROM idempotency.outbox_deliveries WHERE aggregate_id = 'a-1';
--- back to the real clock: section 8 compares partition ranges with now()
+-- back to the real clock: section 9 compares partition ranges with now()
 RESET idempotency.debug_clock_offset;
 
 -- 7. outbox_mode 'wal' writes a transactional logical decoding message per
@@ -149,6 +151,19 @@ SET idempotency.outbox_mode = 'both';
 SELECT seq FROM idem_outbox_emit('cdc', 'c-2', 'created', '{"a": 3}');
 RESET idempotency.outbox_mode;
 SELECT seq FROM idem_outbox_emit('cdc', 'c-3', 'created', '{}');
+-- one aggregate in every mode: seq 1 and 3 in 'wal', seq 2 stored
+SET idempotency.outbox_mode = 'wal';
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'created', '{}');
+RESET idempotency.outbox_mode;
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'updated', '{}');
+SET idempotency.outbox_mode = 'wal';
+SELECT seq FROM idem_outbox_emit('cdc', 'c-4', 'closed', '{}');
+RESET idempotency.outbox_mode;
+-- what 'wal' emitted waits for no relay (logical decoding delivers it): the
+-- backlog counts the stored events only, c-2:1, c-3:1 and c-4:2
+SELECT aggregate_type, pending, dead, oldest_pending_age >= '0' AS has_age
+  FROM idempotency.outbox_backlog WHERE aggregate_type = 'cdc';
+SELECT outbox_pending FROM idempotency.stats WHERE scope = 'outbox:cdc';
 SELECT aggregate_id, seq, event_type FROM idempotency.outbox_events WHERE aggregate_type = 'cdc' ORDER BY 1, 2;
 WITH m AS (
     SELECT split_part(description, ',', 1) AS kind,
@@ -169,8 +184,37 @@ DROP EXTENSION pg_walinspect;
 CREATE TEMP TABLE c7 AS SELECT * FROM idem_outbox_claim();
 SELECT aggregate_id, seq FROM c7 ORDER BY 1, 2;
 SELECT idem_outbox_ack(ARRAY(SELECT id FROM c7), (SELECT lease_token FROM c7 LIMIT 1)) AS acked;
+-- delivered: nothing of 'cdc' is pending any more
+SELECT count(*) AS cdc_backlog FROM idempotency.outbox_backlog WHERE aggregate_type = 'cdc';
+SELECT count(*) AS cdc_stats FROM idempotency.stats WHERE scope = 'outbox:cdc';
 
--- 8. Maintenance makes and drops outbox partitions like claims partitions,
+-- 8. Two-phase commit: an emitting transaction may be prepared, under the
+-- default outbox_notify = 'commit' too (a prepared transaction sends no
+-- NOTIFY: relays find its events by polling); COMMIT PREPARED commits its
+-- events, ROLLBACK PREPARED takes their seqs back
+SHOW idempotency.outbox_notify;
+BEGIN;
+SELECT seq FROM idem_outbox_emit('twophase', 't-1', 'created', '{}');
+SELECT aggregate_id, seq FROM idem_outbox_emit_many('twophase', ARRAY['t-1', 't-2'], ARRAY['paid', 'created'],
+                                                    ARRAY['{}', '{}']::jsonb[]);
+PREPARE TRANSACTION 'outbox_twophase';
+SELECT gid FROM pg_prepared_xacts;
+SELECT count(*) AS claimed_while_prepared FROM idem_outbox_claim(10, '30 seconds', ARRAY['twophase']);
+COMMIT PREPARED 'outbox_twophase';
+CREATE TEMP TABLE c8 AS SELECT * FROM idem_outbox_claim(10, '30 seconds', ARRAY['twophase']);
+SELECT aggregate_id, seq, event_type FROM c8 ORDER BY 1, 2;
+SELECT idem_outbox_ack(ARRAY(SELECT id FROM c8), (SELECT lease_token FROM c8 LIMIT 1)) AS acked;
+-- rolled back after PREPARE: no event, and no gap
+BEGIN;
+SELECT seq FROM idem_outbox_emit('twophase', 't-1', 'cancelled', '{}');
+PREPARE TRANSACTION 'outbox_twophase';
+ROLLBACK PREPARED 'outbox_twophase';
+SELECT seq FROM idem_outbox_emit('twophase', 't-1', 'shipped', '{}');
+SELECT aggregate_id, seq, event_type FROM idempotency.outbox_events WHERE aggregate_type = 'twophase' ORDER BY 1, 2;
+SELECT count(*) AS prepared_left FROM pg_prepared_xacts;
+SELECT idem_outbox_ack(ARRAY(SELECT id FROM idem_outbox_claim(10, '30 seconds', ARRAY['twophase']))) AS acked;
+
+-- 9. Maintenance makes and drops outbox partitions like claims partitions,
 -- but keeps a partition that holds an undelivered or dead-lettered event
 -- (pinned)
 -- every event went into the partition that covers its time

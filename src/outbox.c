@@ -9,13 +9,15 @@
  * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):
- *	- outbox_sequences: per aggregate, the seq of its newest event.  An emit
+ *	- outbox_sequences: per aggregate, the seq of its newest event (and of
+ *	  its newest stored and unstored one, for the backlog).  An emit
  *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
  *	  aggregate's first event, which also makes its deliveries row) and so
  *	  holds its row lock to commit: emits to one aggregate serialise, seq
  *	  follows commit order, and a rollback takes its number back (no gaps).
  *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
- *	  the lease, attempts of the head event, and retry_at.
+ *	  the lease, attempts of the head event, retry_at, the dead head and a
+ *	  redrive waiting for the lease.
  *
  * An event id (a UUIDv7) carries created_at, the partition's bucket and the
  * emitting transaction, so acks find an event with one index probe.
@@ -26,14 +28,36 @@
  *	  event that is delivered or belongs to a parked aggregate, and never
  *	  passes the xmin of a snapshot taken before the scan: every transaction
  *	  below that has ended, so no event can appear behind the cursor later.
- *	  A cursor value stays valid forever (acked_seq only grows; a parked
- *	  aggregate stays parked until it has nothing pending), so each relay
- *	  keeps one in memory and writes it back about once a second.
+ *	  A cursor value stays valid forever (acked_seq only grows, but for a
+ *	  rewind, which parks; a parked aggregate stays parked until it has
+ *	  nothing pending), so each relay keeps one in memory and writes it back
+ *	  about once a second.  A scan page's rows, candidates and locked rows
+ *	  live in a memory context of their own (an SPI level per page), so a
+ *	  claim's memory is bounded by its batch and a page, whatever backlog it
+ *	  scans.
  *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
  *	  was redriven has retry_at set and is found through the partial index
  *	  on retry_at instead, until it has nothing pending.  Unparking reads
- *	  the newest seq under FOR SHARE, so it waits for an emit in flight and
- *	  never leaves a new event behind the cursor.
+ *	  the newest stored seq under FOR SHARE SKIP LOCKED: with an emit in
+ *	  flight (the row is locked) it does not unpark, and leaves the
+ *	  aggregate due now instead (the next claim looks again), so it never
+ *	  waits for an emitter (which may be a prepared transaction) and never
+ *	  leaves a new event behind the cursor.
+ *
+ * Delivery states.  Every state of a deliveries row has a way out, and the
+ * CHECK constraints on the table keep out those that would not:
+ *	- idle (no lease, not parked): the cursor finds its pending events;
+ *	- leased: the holder's ack of its run, its nack, or expiry (then the
+ *	  cursor, or retry_at if parked, finds it: an expired lease counts as
+ *	  no lease to every claim);
+ *	- parked, due at retry_at (finite): a claim once it is due;
+ *	- parked for good (retry_at = infinity): only at a dead head (CHECK),
+ *	  which a claim under 'skip', a redrive or a discard ends.  Whatever
+ *	  clears a dead head (skip, ack, rewind, discard) makes the aggregate
+ *	  due now, so it never stays parked for good without one;
+ *	- a dead head is parked and leased to nobody (CHECK);
+ *	- a redrive waiting for a live lease (redrive_seq): applied when the
+ *	  lease ends, however it ends (CHECK: only beside a lease).
  *
  * Locking rules:
  *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
@@ -43,14 +67,23 @@
  *	  never waits for another relay; an aggregate locked by one is left to
  *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
  *	  order.  Relays never lock outbox_sequences except to unpark (FOR
- *	  SHARE, after their deliveries row), and emitters never lock
- *	  outbox_deliveries, so emitters and relays never deadlock.
+ *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
+ *	  emitter), and emitters never lock outbox_deliveries, so emitters and
+ *	  relays never deadlock.  An emitter may wait for the commit of a relay
+ *	  that just unparked its aggregate (the relay's share lock).
  *	- the cursor row is written with SKIP LOCKED: a busy row means another
  *	  relay is moving it.
  *
  * Claims should run in READ COMMITTED: FOR UPDATE of a row that another
  * relay changed after a REPEATABLE READ snapshot is a serialization
  * failure.
+ *
+ * Wake-ups: an emit under outbox_notify = 'commit' only notes that its
+ * transaction (or subtransaction) emitted; the NOTIFY is sent just before
+ * the commit (XACT_EVENT_PRE_COMMIT), so a transaction whose emits rolled
+ * back sends none, and a transaction that is prepared (PREPARE TRANSACTION,
+ * which refuses one with a pending NOTIFY) sends none either: relays find
+ * its events by polling once COMMIT PREPARED has run.
  *
  * All SQL runs through generic plans prepared once per backend with
  * search_path pinned to pg_catalog, on schema-qualified names, with the
@@ -162,9 +195,75 @@ static int	outbox_dead_policy = DEAD_BLOCK;
 static int	outbox_notify = NOTIFY_COMMIT;
 static int	outbox_mode = MODE_TABLE;
 
+/*---- wake-ups ----*/
+
+/*
+ * The outermost transaction nesting level at which an emit that asked for a
+ * NOTIFY still stands (0: none).  Emits deeper down count for their level
+ * until their subtransaction commits (then for its parent) or aborts (then
+ * not at all: every emit that stood was at that level or deeper).
+ */
+static int	notify_level = 0;
+
+static void
+want_notify(void)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (notify_level == 0 || level < notify_level)
+		notify_level = level;
+}
+
+/*
+ * Send the NOTIFY of an emitting transaction just before it commits
+ * (PreCommit_Notify, later in the commit, queues it); a transaction that is
+ * prepared, or aborts, sends none.
+ */
+static void
+outbox_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+			if (notify_level > 0)
+			{
+				notify_level = 0;
+				Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+			}
+			break;
+		case XACT_EVENT_PRE_PREPARE:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_PREPARE:
+			notify_level = 0;
+			break;
+		default:
+			break;
+	}
+}
+
+static void
+outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						SubTransactionId parentSubid, void *arg)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (notify_level < level)
+		return;					/* nothing emitted at this level */
+	if (event == SUBXACT_EVENT_COMMIT_SUB)
+		notify_level = level - 1;
+	else if (event == SUBXACT_EVENT_ABORT_SUB)
+		notify_level = 0;
+}
+
 void
 idem_outbox_init(void)
 {
+	RegisterXactCallback(outbox_xact_callback, NULL);
+	RegisterSubXactCallback(outbox_subxact_callback, NULL);
+
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
 							"Failed attempts after which an outbox event is dead-lettered.",
 							NULL,
@@ -214,7 +313,7 @@ idem_outbox_init(void)
  */
 #define DELIVERY_COLUMNS \
 	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
-	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error," \
+	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error, d.redrive_seq," \
 	" coalesce(s.last_seq, 0), d.row_ctid"
 #define DELIVERY_JOIN_SEQUENCES \
 	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
@@ -243,8 +342,11 @@ idem_outbox_init(void)
 	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
 	" ON CONFLICT DO NOTHING"
 
+/* the new seq is stored ($3) or not ('wal') */
 #define NEXT_SEQ \
-	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1" \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1," \
+	" stored_seq = CASE WHEN $3 THEN last_seq + 1 ELSE stored_seq END," \
+	" wal_seq = CASE WHEN $3 THEN wal_seq ELSE last_seq + 1 END" \
 	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
 	" RETURNING last_seq"
 
@@ -275,35 +377,41 @@ typedef enum
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
 	[ST_EMIT_NEXT_SEQ] = {
-		NEXT_SEQ, 2, {TEXTOID, TEXTOID}
+		NEXT_SEQ, 3, {TEXTOID, TEXTOID, BOOLOID}
 	},
 	/* otherwise (none updated): make the counter, or take it over from a racer */
 	[ST_EMIT_SEQ] = {
 		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
-		" VALUES ($1, $2, 1)"
-		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1"
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" VALUES ($1, $2, 1, CASE WHEN $3 THEN 1 ELSE 0 END, CASE WHEN $3 THEN 0 ELSE 1 END)"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1,"
+		"  stored_seq = CASE WHEN $3 THEN q.last_seq + 1 ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + 1 END"
 		" RETURNING q.last_seq), "
 		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
 		" SELECT last_seq FROM s",
-		2, {TEXTOID, TEXTOID}
+		3, {TEXTOID, TEXTOID, BOOLOID}
 	},
 	/* counts per aggregate, in the (sorted) order given: that is lock order */
 	[ST_RESERVE] = {
 		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)"
-		" SELECT $1, u.id, u.n"
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" SELECT $1, u.id, u.n, CASE WHEN $4 THEN u.n ELSE 0 END, CASE WHEN $4 THEN 0 ELSE u.n END"
 		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
 		" ORDER BY u.ord"
 		" ON CONFLICT (aggregate_type, aggregate_id)"
-		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq"
+		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq,"
+		"  stored_seq = CASE WHEN $4 THEN q.last_seq + excluded.last_seq ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $4 THEN q.wal_seq ELSE q.last_seq + excluded.last_seq END"
 		" RETURNING q.aggregate_id, q.last_seq), "
 		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
 		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
 								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
 								   " ORDER BY 2") ")"
 		" SELECT aggregate_id, last_seq FROM s",
-		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
+		4, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID, BOOLOID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
@@ -364,23 +472,33 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"UPDATE idempotency.outbox_deliveries d"
 		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
 		"     lease_until = u.until, attempts = u.attempts, retry_at = u.retry,"
-		"     dead_seq = u.dead, last_error = u.err"
+		"     dead_seq = u.dead, last_error = u.err, redrive_seq = u.redrive"
 		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
-		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[])"
-		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err)"
+		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[], $10::int8[])"
+		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err, redrive)"
 		" WHERE d.ctid = u.row_ctid",
-		9, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
-			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID}
+		10, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
+			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
-	/* FOR SHARE: wait for an emit in flight, and see its seq */
+	/*
+	 * Unpark if nothing stored is pending: the counter's row under FOR SHARE
+	 * SKIP LOCKED, so that a committed emit's seq is seen and the next emit
+	 * waits for this transaction; an emit in flight (a locked row: NULL)
+	 * keeps the aggregate parked, due at $3 at the latest, instead of a
+	 * wait.  No counter at all: nothing was ever emitted.
+	 */
 	[ST_UNPARK] = {
-		"UPDATE idempotency.outbox_deliveries d SET retry_at = NULL"
+		"UPDATE idempotency.outbox_deliveries d"
+		" SET retry_at = CASE"
+		"   WHEN d.acked_seq >= (SELECT s.stored_seq FROM idempotency.outbox_sequences s"
+		"                        WHERE s.aggregate_type = d.aggregate_type"
+		"                          AND s.aggregate_id = d.aggregate_id FOR SHARE SKIP LOCKED)"
+		"     OR NOT EXISTS (SELECT FROM idempotency.outbox_sequences s"
+		"                    WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id)"
+		"   THEN NULL ELSE greatest(d.retry_at, $3) END"
 		" WHERE d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
-		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL"
-		"   AND d.acked_seq >= coalesce((SELECT s.last_seq FROM idempotency.outbox_sequences s"
-		"                                WHERE s.aggregate_type = d.aggregate_type"
-		"                                  AND s.aggregate_id = d.aggregate_id FOR SHARE), 0)",
-		2, {TEXTOID, TEXTOID}
+		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL",
+		3, {TEXTOID, TEXTOID, TIMESTAMPTZOID}
 	},
 	[ST_DEAD_LETTER] = {
 		"INSERT INTO idempotency.outbox_dead_letters"
@@ -390,7 +508,9 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"        e.headers, e.created_at, $4, $5, $6"
 		" FROM idempotency.outbox_events e"
 		" WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\" AND e.seq = $3"
-		" ON CONFLICT (id) DO NOTHING",
+		/* dead again after a rewind: the listing says so */
+		" ON CONFLICT (id) DO UPDATE SET attempts = excluded.attempts,"
+		"  last_error = excluded.last_error, dead_at = excluded.dead_at",
 		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
 	},
 	/* the ids say their partition and transaction: one (txid, id) probe each */
@@ -502,9 +622,9 @@ announce_event(const OutboxEvent *ev)
 		(void) LogLogicalMessage(OUTBOX_MESSAGE_PREFIX, json, strlen(json), true);
 		pfree(json);
 	}
-	/* identical notifications of one transaction are sent once */
+	/* one NOTIFY per emitting transaction, sent at its commit */
 	if (outbox_notify == NOTIFY_COMMIT)
-		Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+		want_notify();
 }
 
 /*
@@ -592,7 +712,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 {
 	OutboxEvent ev;
 	TupleDesc	desc = idem_result_tupdesc(fcinfo);
-	Datum		values[2];
+	Datum		values[3];
 	uint64		n;
 	int32		bucket;
 	Relation	rel = NULL;
@@ -616,6 +736,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	idem_row_id(ev.created_at, bucket, txid, &ev.id);
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
+	values[2] = BoolGetDatum(outbox_mode != MODE_WAL);
 	n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
 	if (n == 0)
 		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
@@ -730,7 +851,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	next_seq = palloc(sizeof(int64) * nagg);
 	SPI_connect();
 	{
-		Datum		values[3];
+		Datum		values[4];
 		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
 		uint64		got;
 
@@ -739,6 +860,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		values[0] = CStringGetTextDatum(aggregate_type);
 		values[1] = idem_build_array(name_datums, NULL, nagg, TEXTOID);
 		values[2] = idem_build_array(counts, NULL, nagg, INT8OID);
+		values[3] = BoolGetDatum(outbox_mode != MODE_WAL);
 		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
 		if (got != (uint64) nagg)
 			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);
@@ -786,9 +908,11 @@ typedef struct Delivery
 	int32		attempts;
 	bool		parked;			/* retry_at set */
 	TimestampTz retry_at;
-	bool		dead;			/* dead_seq set */
+	bool		dead;			/* dead_seq set: the head (acked + 1) is dead */
 	int64		dead_seq;
 	char	   *error;			/* last_error, or NULL */
+	bool		redrive;		/* redrive_seq set: waiting for the lease to end */
+	int64		redrive_seq;
 	int64		last_seq;		/* newest seq, as the locking statement saw it */
 	ItemPointerData ctid;		/* of the locked row version */
 	bool		changed;
@@ -835,31 +959,90 @@ read_deliveries(uint64 n)
 			d->dead_seq = DatumGetInt64(v);
 		v = idem_spi_col(r, 10, &isnull);
 		d->error = isnull ? NULL : TextDatumGetCString(v);
-		d->last_seq = DatumGetInt64(idem_spi_col(r, 11, &isnull));
-		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 12, &isnull)), &d->ctid);
+		v = idem_spi_col(r, 11, &isnull);
+		d->redrive = !isnull;
+		if (!isnull)
+			d->redrive_seq = DatumGetInt64(v);
+		d->last_seq = DatumGetInt64(idem_spi_col(r, 12, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 13, &isnull)), &d->ctid);
 	}
 	return ds;
 }
 
+/*
+ * The transitions of a deliveries row.  They keep the states of "Delivery
+ * states" above (and the table's CHECK constraints): retry_at = infinity
+ * only at a dead head, a dead head parked and not leased, a waiting redrive
+ * only beside a lease.
+ */
+
+/* Park d, due at "at": found through retry_at, not the cursor. */
 static void
-end_lease(Delivery *d)
+park(Delivery *d, TimestampTz at)
 {
-	d->leased = false;
+	d->parked = true;
+	d->retry_at = at;
 	d->changed = true;
 }
 
-/* Write back every changed row, then unpark those that asked for it. */
+/*
+ * The head is no longer dead (passed over, acked by hand, rewound past,
+ * discarded): an aggregate parked for good becomes due now.  It stays
+ * parked, as the cursor may have passed what follows.
+ */
 static void
-write_deliveries(Delivery *ds, int n)
+clear_dead(Delivery *d, TimestampTz now)
 {
-	static const Oid elemtypes[9] = {TIDOID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID,
-	INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID};
-	Datum	   *v[9];
-	bool	   *isnull[9];
-	Datum		values[9];
+	d->dead = false;
+	if (d->parked && TIMESTAMP_IS_NOEND(d->retry_at))
+		d->retry_at = now;
+	d->changed = true;
+}
+
+/*
+ * Go back to seq (at most acked + 1): what follows is delivered again, in
+ * order, including later events that died (they are retried in turn; their
+ * dead letters stay listed until redriven or discarded).  What it goes back
+ * to is behind the cursor: the aggregate is parked, due now.  Ends any
+ * lease: the caller has made sure that none is live, or that it ended.
+ */
+static void
+rewind_to(Delivery *d, int64 seq, TimestampTz now)
+{
+	if (seq <= d->acked)
+		d->acked = seq - 1;
+	d->redrive = false;
+	d->leased = false;
+	if (d->dead && d->dead_seq > d->acked + 1)
+		clear_dead(d, now);
+	d->attempts = 0;
+	d->error = NULL;
+	park(d, now);
+}
+
+/* The lease ends; a redrive that waited for that happens now. */
+static void
+end_lease(Delivery *d, TimestampTz now)
+{
+	d->leased = false;
+	d->changed = true;
+	if (d->redrive)
+		rewind_to(d, d->redrive_seq, now);
+}
+
+/* Write back every changed row, then unpark those that asked for it. */
+#define SET_STATE_COLUMNS	10
+static void
+write_deliveries(Delivery *ds, int n, TimestampTz now)
+{
+	static const Oid elemtypes[SET_STATE_COLUMNS] = {TIDOID, INT8OID, INT8OID, UUIDOID,
+		TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID, INT8OID};
+	Datum	   *v[SET_STATE_COLUMNS];
+	bool	   *isnull[SET_STATE_COLUMNS];
+	Datum		values[SET_STATE_COLUMNS];
 	int			m = 0;
 
-	for (int c = 0; c < 9; c++)
+	for (int c = 0; c < SET_STATE_COLUMNS; c++)
 	{
 		v[c] = palloc(sizeof(Datum) * Max(n, 1));
 		isnull[c] = palloc0(sizeof(bool) * Max(n, 1));
@@ -870,6 +1053,9 @@ write_deliveries(Delivery *ds, int n)
 
 		if (!d->changed)
 			continue;
+		Assert(!d->parked || !TIMESTAMP_IS_NOEND(d->retry_at) || d->dead);
+		Assert(!d->dead || (d->parked && !d->leased && d->dead_seq == d->acked + 1));
+		Assert(!d->redrive || d->leased);
 		v[0][m] = PointerGetDatum(&d->ctid);
 		v[1][m] = Int64GetDatum(d->acked);
 		v[2][m] = Int64GetDatum(d->leased_seq);
@@ -883,11 +1069,13 @@ write_deliveries(Delivery *ds, int n)
 		isnull[7][m] = !d->dead;
 		v[8][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
 		isnull[8][m] = d->error == NULL;
+		v[9][m] = Int64GetDatum(d->redrive_seq);
+		isnull[9][m] = !d->redrive;
 		m++;
 	}
 	if (m > 0)
 	{
-		for (int c = 0; c < 9; c++)
+		for (int c = 0; c < SET_STATE_COLUMNS; c++)
 			values[c] = idem_build_array(v[c], isnull[c], m, elemtypes[c]);
 		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
 	}
@@ -895,10 +1083,11 @@ write_deliveries(Delivery *ds, int n)
 	{
 		if (ds[i].unpark)
 		{
-			Datum		keys[2];
+			Datum		keys[3];
 
 			keys[0] = CStringGetTextDatum(ds[i].aggregate_type);
 			keys[1] = CStringGetTextDatum(ds[i].aggregate_id);
+			keys[2] = TimestampTzGetDatum(now);
 			(void) outbox_exec(ST_UNPARK, keys, NULL, SPI_OK_UPDATE);
 		}
 	}
@@ -967,8 +1156,11 @@ lease_held(const Delivery *d, const pg_uuid_t *token, TimestampTz now)
 	return lease_live(d, now) && lease_is(d, token);
 }
 
-/* Copy the event at seq of d's aggregate into the dead letters. */
-static void
+/*
+ * Copy the event at seq of d's aggregate into the dead letters; false if it
+ * has no row to copy (emitted in outbox_mode 'wal', or its partition is gone).
+ */
+static bool
 dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
 {
 	Datum		values[6];
@@ -983,46 +1175,52 @@ dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
 	else
 		nulls[4] = 'n';
 	values[5] = TimestampTzGetDatum(now);
-	(void) outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT);
+	return outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT) > 0;
 }
 
 /*
  * The head of d has been handed out outbox_max_attempts times and every
- * attempt failed: dead-letter it, and apply the dead policy.  Returns true
- * if the aggregate may go on (policy 'skip').
+ * attempt failed: dead-letter it (the caller applies the dead policy).  A
+ * head with no row to dead-letter is passed over: nothing could redrive or
+ * discard it.  The caller has applied any waiting redrive.
  */
-static bool
+static void
 head_exhausted(Delivery *d, TimestampTz now)
 {
-	dead_letter(d, d->acked + 1, d->error != NULL ? d->error : "lease expired", now);
-	d->dead = true;
-	d->dead_seq = d->acked + 1;
-	d->changed = true;
-	end_lease(d);
-	return false;
+	int64		head = d->acked + 1;
+
+	Assert(!d->redrive);
+	end_lease(d, now);
+	if (dead_letter(d, head, d->error != NULL ? d->error : "lease expired", now))
+	{
+		d->dead = true;
+		d->dead_seq = head;
+		return;
+	}
+	d->acked = head;
+	d->attempts = 0;
+	d->error = NULL;
 }
 
 /*
  * A dead head under the policy in force: 'skip' passes it (its dead letter
  * stays) and returns true; 'block' parks the aggregate for good (until a
- * redrive or discard) and returns false.
+ * redrive, a discard or a claim under 'skip') and returns false.
  */
 static bool
-apply_dead_policy(Delivery *d)
+apply_dead_policy(Delivery *d, TimestampTz now)
 {
+	Assert(d->dead && !d->leased);
 	d->changed = true;
 	if (outbox_dead_policy == DEAD_SKIP)
 	{
-		if (d->dead_seq > d->acked)
-			d->acked = d->dead_seq;
-		d->dead = false;
+		d->acked = d->dead_seq;
+		clear_dead(d, now);
 		d->attempts = 0;
 		d->error = NULL;
 		return true;
 	}
-	d->parked = true;
-	d->retry_at = DT_NOEND;
-	end_lease(d);
+	park(d, DT_NOEND);
 	return false;
 }
 
@@ -1134,12 +1332,20 @@ take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
 	int			count = 0;
 	int64		expect;
 
-	if (d->dead && !apply_dead_policy(d))
+	/*
+	 * No live lease here: an expired one ends now (and a redrive that waited
+	 * for it goes back; then the scan's events may not reach the new head,
+	 * which is seen below).
+	 */
+	Assert(!lease_live(d, c->now));
+	if (d->leased)
+		end_lease(d, c->now);
+	if (d->dead && !apply_dead_policy(d, c->now))
 		return;
 	if (d->attempts >= outbox_max_attempts && d->acked < d->last_seq)
 	{
-		(void) head_exhausted(d, c->now);
-		if (!apply_dead_policy(d))
+		head_exhausted(d, c->now);
+		if (d->dead && !apply_dead_policy(d, c->now))
 			return;
 	}
 
@@ -1231,7 +1437,7 @@ claim_parked(Claim *c, OutboxStatement st)
 		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= ds[i].last_seq)
 			ds[i].unpark = true;
 	}
-	write_deliveries(ds, n);
+	write_deliveries(ds, n, c->now);
 }
 
 /*---- the cursor ----*/
@@ -1498,82 +1704,108 @@ lease_candidates(Claim *c, CandidateSet *cs)
 			if (ds[i].leased && lease_is(&ds[i], &c->token))
 				leased++;
 		}
-		write_deliveries(ds, nlocked);
+		write_deliveries(ds, nlocked, c->now);
 	}
 }
 
+/* Where a claim's scan of events stands between pages. */
+typedef struct EventScan
+{
+	OutboxPos	last_seen;		/* the last event scanned */
+	OutboxPos	first_pending;	/* the first event scanned that is still pending */
+	bool		pending_seen;
+	bool		first_page;
+} EventScan;
+
 /*
- * Scan events from the cursor, lease the aggregates met that can be leased,
- * and move the cursor up to the first event still pending.
+ * Scan a page of events from st->last_seen and lease the aggregates met
+ * that can be leased.  The page runs at an SPI level of its own: its rows,
+ * its candidates and the rows locked for them are freed when it ends (what
+ * the claim hands out is in its tuplestore by then), so a claim's memory
+ * does not grow with the pages it scans.  An aggregate tried on an earlier
+ * page and met again is tried again: the locking statement passes over it
+ * if it is leased (by this claim too) or locked.  Returns the page's rows.
+ */
+static uint64
+scan_page(Claim *c, EventScan *st)
+{
+	CandidateSet cs = {0};
+	SPITupleTable *tt;
+	uint64		got;
+	Datum		args[2];
+
+	SPI_connect();
+	/* pages follow each other by key: each starts at the last row seen */
+	args[0] = FullTransactionIdGetDatum(st->last_seen.txid);
+	args[1] = UUIDPGetDatum(&st->last_seen.id);
+	got = outbox_exec(ST_SCAN, args, NULL, SPI_OK_SELECT);
+	tt = SPI_tuptable;
+	for (uint64 r = 0; r < got; r++)
+	{
+		HeapTuple	tup = tt->vals[r];
+		TupleDesc	desc = tt->tupdesc;
+		bool		isnull;
+		int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
+		Datum		acked = heap_getattr(tup, 10, desc, &isnull);
+		bool		has_row = !isnull;
+		OutboxPos	pos;
+		Datum		until;
+		char	   *type;
+		char	   *id;
+		Candidate  *cand;
+
+		pos.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
+		memcpy(&pos.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
+		if (!st->first_page && pos_cmp(&pos, &st->last_seen) == 0)
+			continue;			/* the last row of the previous page */
+		st->last_seen = pos;
+		if (has_row && seq <= DatumGetInt64(acked))
+			continue;			/* delivered */
+		(void) heap_getattr(tup, 12, desc, &isnull);
+		if (!isnull)
+			continue;			/* parked: found through retry_at */
+		if (!st->pending_seen)
+		{
+			st->first_pending = pos;
+			st->pending_seen = true;
+		}
+		until = heap_getattr(tup, 11, desc, &isnull);
+		if (!isnull && DatumGetTimestampTz(until) > c->now)
+			continue;			/* leased by another relay */
+		type = TextDatumGetCString(heap_getattr(tup, 2, desc, &isnull));
+		if (!type_wanted(c, type))
+			continue;
+		id = TextDatumGetCString(heap_getattr(tup, 3, desc, &isnull));
+		cand = candidate_get(&cs, type, id, true);
+		if (cand->tried)
+			continue;
+		cand->has_row = has_row;
+		candidate_add_event(cand, tup, desc, seq);
+	}
+	st->first_page = false;
+	lease_candidates(c, &cs);
+	SPI_finish();
+	return got;
+}
+
+/*
+ * Scan events from the cursor, a page at a time, lease the aggregates met
+ * that can be leased, and move the cursor up to the first event still
+ * pending.
  */
 static void
 claim_by_cursor(Claim *c)
 {
 	OutboxPos	horizon = event_horizon();
 	OutboxPos	from = read_cursor();
-	OutboxPos	first_pending = {{0}, {{0}}};
-	bool		pending_seen = false;
-	OutboxPos	last_seen = from;
+	EventScan	st = {0};
 	bool		exhausted = false;
-	bool		first_page = true;
-	CandidateSet cs = {0};
 
+	st.last_seen = from;
+	st.first_page = true;
 	while (c->taken < c->batch)
 	{
-		SPITupleTable *tt;
-		uint64		got;
-		Datum		args[2];
-
-		/* pages follow each other by key: each starts at the last row seen */
-		args[0] = FullTransactionIdGetDatum(last_seen.txid);
-		args[1] = UUIDPGetDatum(&last_seen.id);
-		got = outbox_exec(ST_SCAN, args, NULL, SPI_OK_SELECT);
-		tt = SPI_tuptable;
-		for (uint64 r = 0; r < got; r++)
-		{
-			HeapTuple	tup = tt->vals[r];
-			TupleDesc	desc = tt->tupdesc;
-			bool		isnull;
-			int64		seq = DatumGetInt64(heap_getattr(tup, 4, desc, &isnull));
-			Datum		acked = heap_getattr(tup, 10, desc, &isnull);
-			bool		has_row = !isnull;
-			OutboxPos	pos;
-			Datum		until;
-			char	   *type;
-			char	   *id;
-			Candidate  *cand;
-
-			pos.txid = DatumGetFullTransactionId(heap_getattr(tup, 1, desc, &isnull));
-			memcpy(&pos.id, DatumGetUUIDP(heap_getattr(tup, 5, desc, &isnull)), UUID_LEN);
-			if (!first_page && pos_cmp(&pos, &last_seen) == 0)
-				continue;		/* the last row of the previous page */
-			last_seen = pos;
-			if (has_row && seq <= DatumGetInt64(acked))
-				continue;		/* delivered */
-			(void) heap_getattr(tup, 12, desc, &isnull);
-			if (!isnull)
-				continue;		/* parked: found through retry_at */
-			if (!pending_seen)
-			{
-				first_pending = pos;
-				pending_seen = true;
-			}
-			until = heap_getattr(tup, 11, desc, &isnull);
-			if (!isnull && DatumGetTimestampTz(until) > c->now)
-				continue;		/* leased by another relay */
-			type = TextDatumGetCString(heap_getattr(tup, 2, desc, &isnull));
-			if (!type_wanted(c, type))
-				continue;
-			id = TextDatumGetCString(heap_getattr(tup, 3, desc, &isnull));
-			cand = candidate_get(&cs, type, id, true);
-			if (cand->tried)
-				continue;
-			cand->has_row = has_row;
-			candidate_add_event(cand, tup, desc, seq);
-		}
-		first_page = false;
-		lease_candidates(c, &cs);
-		if (got < OUTBOX_SCAN_CHUNK)
+		if (scan_page(c, &st) < OUTBOX_SCAN_CHUNK)
 		{
 			exhausted = true;
 			break;
@@ -1581,10 +1813,10 @@ claim_by_cursor(Claim *c)
 	}
 
 	/* the cursor moves up to the first pending event, never past horizon */
-	if (pending_seen && pos_cmp(&first_pending, &horizon) < 0)
-		horizon = first_pending;
-	else if (!pending_seen && !exhausted && pos_cmp(&last_seen, &horizon) < 0)
-		horizon = last_seen;
+	if (st.pending_seen && pos_cmp(&st.first_pending, &horizon) < 0)
+		horizon = st.first_pending;
+	else if (!st.pending_seen && !exhausted && pos_cmp(&st.last_seen, &horizon) < 0)
+		horizon = st.last_seen;
 	if (pos_cmp(&horizon, &from) > 0)
 		write_cursor(horizon, c->now);
 }
@@ -1734,22 +1966,27 @@ distinct_aggregates(FoundEvent *f, int n, char ***types, char ***ids)
 }
 
 /*
- * Mark d delivered up to a seq; the lease ends once its run is delivered.
- * attempts counts the hand-outs of the head: a new head that was handed out
- * in the run (a partial ack) keeps the count, a new one starts at 0.
+ * Mark d delivered up to a seq; the lease ends once its run is delivered
+ * (and a redrive that waited for that goes back).  attempts counts the
+ * hand-outs of the head: a new head that was handed out in the run (a
+ * partial ack) keeps the count, a new one starts at 0.  A dead head acked
+ * by hand (no lease token) is passed like 'skip' would.  A parked aggregate
+ * with nothing known to be pending tries to unpark.
  */
 static void
-advance(Delivery *d, int64 to)
+advance(Delivery *d, int64 to, TimestampTz now)
 {
 	d->acked = to;
 	d->error = NULL;
 	d->changed = true;
+	if (d->dead && d->dead_seq <= to)
+		clear_dead(d, now);
 	if (d->leased && d->acked >= d->leased_seq)
-		end_lease(d);
+		end_lease(d, now);
 	if (!d->leased)
 		d->attempts = 0;
-	if (d->parked && !d->dead)
-		d->unpark = !d->leased;
+	if (d->parked && !d->dead && !d->leased && d->acked >= d->last_seq)
+		d->unpark = true;
 }
 
 Datum
@@ -1800,10 +2037,10 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 		if (expect > d->acked + 1)
 		{
 			marked += (int) (expect - 1 - d->acked);
-			advance(d, expect - 1);
+			advance(d, expect - 1, now);
 		}
 	}
-	write_deliveries(ds, nlocked);
+	write_deliveries(ds, nlocked, now);
 	SPI_finish();
 	PG_RETURN_INT32(marked);
 }
@@ -1844,16 +2081,26 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	if (nlocked == 1 && found[0].seq > d->acked && !d->dead &&
 		(!fenced || lease_held(d, PG_GETARG_UUID_P(3), now)))
 	{
-		d->error = error;
-		end_lease(d);
-		d->parked = true;
-		if (idem_attempt_failed(d->attempts, outbox_max_attempts, retry_after, now, &d->retry_at))
+		if (d->redrive)
 		{
-			/* dead now; the next claim applies the dead policy */
-			(void) head_exhausted(d, now);
-			d->retry_at = now;
+			/* a redrive waited for this lease: back to it, no failure counted */
+			end_lease(d, now);
 		}
-		write_deliveries(d, 1);
+		else
+		{
+			TimestampTz retry_at;
+
+			d->error = error;
+			end_lease(d, now);
+			if (idem_attempt_failed(d->attempts, outbox_max_attempts, retry_after, now, &retry_at))
+			{
+				/* dead now; the next claim applies the dead policy */
+				head_exhausted(d, now);
+				retry_at = now;
+			}
+			park(d, retry_at);
+		}
+		write_deliveries(d, 1, now);
 	}
 	SPI_finish();
 	PG_RETURN_VOID();
@@ -1944,7 +2191,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 		if (k > 0)
 			fn(&ds[i], seqs, k, now);
 	}
-	write_deliveries(ds, nlocked);
+	write_deliveries(ds, nlocked, now);
 	(void) outbox_exec(ST_DELETE_DEAD, &arr, NULL, SPI_OK_DELETE);
 	SPI_finish();
 	return (int) got;
@@ -1956,29 +2203,46 @@ park_now(Delivery *d, TimestampTz now)
 {
 	d->attempts = 0;
 	d->error = NULL;
-	d->parked = true;
-	d->retry_at = now;
-	d->changed = true;
-	end_lease(d);
+	end_lease(d, now);
+	park(d, now);
 }
 
 /*
  * Redrive: a blocked head is unblocked; an aggregate that went on past a
  * dead event (policy 'skip') goes back to it, so what followed it is
- * delivered again, in order (consumers dedupe on seq).  seqs are sorted.
+ * delivered again, in order (consumers dedupe on seq).  While a relay holds
+ * a live lease on the aggregate, going back waits for that lease to end
+ * (end_lease): the holder is never revoked without knowing, and no other
+ * relay is handed the aggregate meanwhile.  A dead letter of an event still
+ * ahead of the head (it died, and a rewind came back before it) needs
+ * nothing: it is delivered in turn.  seqs are sorted.
  */
 static void
 redrive_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
 {
-	if (d->dead)
-	{
-		for (int i = 0; i < nseqs; i++)
-			if (seqs[i] == d->dead_seq)
-				d->dead = false;
-	}
 	if (seqs[0] <= d->acked)
-		d->acked = seqs[0] - 1;
-	park_now(d, now);
+	{
+		if (lease_live(d, now))
+		{
+			if (!d->redrive || seqs[0] < d->redrive_seq)
+			{
+				d->redrive = true;
+				d->redrive_seq = seqs[0];
+				d->changed = true;
+			}
+			return;
+		}
+		rewind_to(d, seqs[0], now);
+		return;
+	}
+	for (int i = 0; i < nseqs; i++)
+	{
+		if (d->dead && seqs[i] == d->dead_seq)
+		{
+			clear_dead(d, now);
+			park_now(d, now);
+		}
+	}
 }
 
 /* Discard: a blocked head is passed over for good. */
@@ -1989,9 +2253,8 @@ discard_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
 	{
 		if (d->dead && seqs[i] == d->dead_seq)
 		{
-			d->dead = false;
-			if (d->acked < d->dead_seq)
-				d->acked = d->dead_seq;
+			d->acked = d->dead_seq;
+			clear_dead(d, now);
 			park_now(d, now);
 		}
 	}

@@ -48,17 +48,25 @@ ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partition
 
 -- Per aggregate: the seq of its newest event.  Emitters update it (and hold
 -- its row lock to commit: that is what makes seq gap-free and in commit
--- order).
+-- order).  stored_seq and wal_seq say which of those seqs have an event row:
+-- outbox_mode 'wal' emits none (logical decoding delivers it), so no relay
+-- waits for it and the backlog does not count it.
 CREATE TABLE idempotency.outbox_sequences (
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
     last_seq       bigint NOT NULL,
+    stored_seq     bigint NOT NULL DEFAULT 0,   -- the newest seq stored as a row (0: none)
+    wal_seq        bigint NOT NULL DEFAULT 0,   -- the newest seq not stored ('wal'; 0: none)
     PRIMARY KEY (aggregate_type, aggregate_id)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 
 -- Per aggregate: how far delivery got, and who holds it.  Relays update it;
 -- only a change of retry_at (parking after a failure, unparking) is not HOT.
+-- Every state has a way out, and the checks keep out those that would not
+-- (see "Delivery states" in src/outbox.c): an aggregate is parked for good
+-- only at a dead head (which skip, redrive and discard see), a dead head is
+-- parked and leased to nobody, and a redrive waits only for a lease.
 CREATE TABLE idempotency.outbox_deliveries (
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
@@ -70,7 +78,16 @@ CREATE TABLE idempotency.outbox_deliveries (
     retry_at       timestamptz,                 -- parked: found by this, not by the cursor
     dead_seq       bigint,                      -- the head is dead-lettered
     last_error     text,
-    PRIMARY KEY (aggregate_type, aggregate_id)
+    redrive_seq    bigint,                      -- redriven behind the live lease: back here once it ends
+    PRIMARY KEY (aggregate_type, aggregate_id),
+    CONSTRAINT outbox_deliveries_lease
+        CHECK ((leased_seq IS NULL) = (lease_token IS NULL) AND (lease_token IS NULL) = (lease_until IS NULL)),
+    CONSTRAINT outbox_deliveries_dead_head
+        CHECK (dead_seq IS NULL OR (dead_seq = acked_seq + 1 AND retry_at IS NOT NULL AND lease_token IS NULL)),
+    CONSTRAINT outbox_deliveries_blocked
+        CHECK (retry_at <> 'infinity' OR dead_seq IS NOT NULL),
+    CONSTRAINT outbox_deliveries_redrive
+        CHECK (redrive_seq IS NULL OR lease_token IS NOT NULL)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
 CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)

@@ -98,25 +98,36 @@ COMMENT ON VIEW idempotency.consumers IS
 
 -- Per aggregate type: the outbox's backlog, dead letters and the age of the
 -- oldest event waiting (gauges, read from the tables).  An event behind a
--- dead-lettered head waits; the head itself counts as dead.
+-- dead-lettered head waits; the head itself counts as dead.  Only stored
+-- events wait: what outbox_mode 'wal' emitted (no row) went out through
+-- logical decoding, and a relay passes over its seqs.
 CREATE VIEW idempotency.outbox_backlog AS
 WITH pending AS (
-    SELECT s.aggregate_type, s.aggregate_id,
-           coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END AS done,
-           s.last_seq
+    SELECT s.aggregate_type, s.aggregate_id, a.done,
+           CASE WHEN s.stored_seq <= a.done THEN 0
+                -- every seq after done is stored
+                WHEN s.wal_seq <= a.done THEN s.stored_seq - a.done
+                -- modes mixed after done: count the rows
+                ELSE (SELECT count(*) FROM idempotency.outbox_events o
+                      WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
+                        AND o.seq > a.done)
+           END AS waiting
     FROM idempotency.outbox_sequences s
     LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+    CROSS JOIN LATERAL (
+        SELECT coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END AS done) a
 ), by_type AS (
     SELECT p.aggregate_type,
-           sum(p.last_seq - p.done) AS pending,
+           sum(p.waiting) AS pending,
            min(e.created_at) AS oldest
     FROM pending p
     LEFT JOIN LATERAL (
         SELECT o.created_at FROM idempotency.outbox_events o
         WHERE o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
-          AND o.seq = p.done + 1
+          AND o.seq > p.done
+        ORDER BY o.seq
         LIMIT 1) e ON true
-    WHERE p.last_seq > p.done
+    WHERE p.waiting > 0
     GROUP BY p.aggregate_type
 ), dead AS (
     SELECT l.aggregate_type, count(*) AS dead

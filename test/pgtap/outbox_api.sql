@@ -14,7 +14,7 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(307);
+SELECT plan(348);
 
 -- helpers -------------------------------------------------------------------
 
@@ -689,6 +689,69 @@ SELECT is(pg_temp.claim('s7', ARRAY['sk']), 0, '... nothing is delivered again')
 SELECT pg_temp.setting('outbox_dead_policy', 'block') \g /dev/null
 SELECT pg_temp.setting('outbox_max_attempts', '10') \g /dev/null
 
+-- 9b. delivery states: each has a way out ---------------------------------
+
+-- the table refuses the states that none would have
+SELECT count(*) FROM idem_outbox_emit('st', 'x1', 'x', '{}') \g /dev/null
+SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET retry_at = 'infinity' WHERE aggregate_type = 'st'$$,
+                 '23514', NULL, 'parked for good without a dead head: refused');
+SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET dead_seq = 1 WHERE aggregate_type = 'st'$$,
+                 '23514', NULL, 'a dead head that is not parked: refused');
+SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET dead_seq = 2, retry_at = now() WHERE aggregate_type = 'st'$$,
+                 '23514', NULL, 'a dead seq that is not the head: refused');
+SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET redrive_seq = 1 WHERE aggregate_type = 'st'$$,
+                 '23514', NULL, 'a redrive waiting without a lease: refused');
+SELECT is(idem_outbox_ack(ARRAY[pg_temp.ev('st', 'x1', 1)]), 1, 'st delivered');
+
+-- a redrive that goes back before a later dead head (policy skip, then
+-- block): everything from the redriven event is delivered again, the later
+-- dead one is retried in turn and, failing again, blocks again
+SELECT pg_temp.setting('outbox_max_attempts', '1') \g /dev/null
+SELECT pg_temp.setting('outbox_dead_policy', 'skip') \g /dev/null
+SELECT count(*) FROM idem_outbox_emit_many('rw', ARRAY['r1', 'r1', 'r1'], ARRAY['a', 'b', 'c'], array_fill('{}'::jsonb, ARRAY[3])) \g /dev/null
+SELECT is(pg_temp.claim('rw1', ARRAY['rw']), 3, 'claim');
+SELECT lives_ok(format($$SELECT idem_outbox_nack(%L, 'bad 1', '0', %L)$$, pg_temp.ev('rw', 'r1', 1), pg_temp.tok('rw1')), 'seq 1 dead');
+SELECT is(pg_temp.claim('rw2', ARRAY['rw']), 2, 'skip: seq 2 and 3 flow');
+SELECT is(idem_outbox_ack(pg_temp.ids('rw2'), pg_temp.tok('rw2')), 2, '... delivered');
+SELECT pg_temp.setting('outbox_dead_policy', 'block') \g /dev/null
+SELECT count(*) FROM idem_outbox_emit('rw', 'r1', 'd', '{}') \g /dev/null
+SELECT is(pg_temp.claim('rw3', ARRAY['rw']), 1, 'seq 4');
+SELECT lives_ok(format($$SELECT idem_outbox_nack(%L, 'bad 4', '0', %L)$$, pg_temp.ev('rw', 'r1', 4), pg_temp.tok('rw3')), 'seq 4 dead');
+SELECT is(pg_temp.claim('rw4', ARRAY['rw']), 0, 'block: waits at seq 4');
+SELECT is(pg_temp.dead('rw'), 'r1:1,r1:4', 'both dead letters listed');
+SELECT is(idem_outbox_redrive(ARRAY[pg_temp.ev('rw', 'r1', 1)]), 1, 'redrive seq 1');
+SELECT is(pg_temp.claim('rw5', ARRAY['rw']), 4, 'the aggregate goes back to seq 1');
+SELECT is(pg_temp.runs('rw5'), 'r1:1,r1:2,r1:3,r1:4', '... and hands out everything from there, seq 4 (dead before) too');
+SELECT lives_ok(format($$SELECT idem_outbox_nack(%L, 'bad 4 again', '0', %L)$$, pg_temp.ev('rw', 'r1', 4), pg_temp.tok('rw5')),
+                'seq 4 fails again (nothing acked)');
+SELECT is(pg_temp.claim('rw6', ARRAY['rw']), 0, 'seq 1 is the head and died again: blocked');
+SELECT is(pg_temp.dead('rw'), 'r1:1,r1:4', 'seq 1 listed again, seq 4 still');
+SELECT is((SELECT last_error FROM idempotency.outbox_dead WHERE id = pg_temp.ev('rw', 'r1', 1)), 'bad 4 again',
+          '... seq 1 with the error of its new death');
+SELECT is(idem_outbox_discard(ARRAY[pg_temp.ev('rw', 'r1', 1)]), 1, 'discard seq 1');
+SELECT is(pg_temp.claim('rw7', ARRAY['rw']), 3, 'seq 2 .. 4 flow');
+SELECT lives_ok(format($$SELECT idem_outbox_nack(%L, 'bad 4, third', '0', %L)$$, pg_temp.ev('rw', 'r1', 2), pg_temp.tok('rw7')),
+                'seq 2 fails');
+SELECT is(idem_outbox_discard(ARRAY[pg_temp.ev('rw', 'r1', 2)]), 1, 'discard seq 2');
+SELECT is(pg_temp.claim('rw8', ARRAY['rw']), 2, 'seq 3 and 4');
+SELECT is(idem_outbox_ack(pg_temp.ids('rw8'), pg_temp.tok('rw8')), 2, '... delivered at last');
+SELECT is(idem_outbox_discard(ARRAY[pg_temp.ev('rw', 'r1', 4)]), 1, 'the stale listing of seq 4 can be discarded');
+SELECT ok((SELECT acked_seq = 4 AND dead_seq IS NULL AND retry_at IS NULL AND lease_token IS NULL FROM pg_temp.dl('rw', 'r1')),
+          'the aggregate ends delivered, not parked');
+
+-- an ack without a lease token (by hand) of a blocked dead head passes it
+SELECT count(*) FROM idem_outbox_emit_many('ah', ARRAY['h1', 'h1'], ARRAY['a', 'b'], ARRAY['{}', '{}']::jsonb[]) \g /dev/null
+SELECT is(pg_temp.claim('ah1', ARRAY['ah']), 2, 'claim');
+SELECT lives_ok(format($$SELECT idem_outbox_nack(%L, 'bad', '0', %L)$$, pg_temp.ev('ah', 'h1', 1), pg_temp.tok('ah1')), 'seq 1 dead');
+SELECT is(pg_temp.claim('ah2', ARRAY['ah']), 0, 'block');
+SELECT is(idem_outbox_ack(ARRAY[pg_temp.ev('ah', 'h1', 1)]), 1, 'an ack by hand of the dead head marks it');
+SELECT ok((SELECT acked_seq = 1 AND dead_seq IS NULL AND retry_at <> 'infinity' FROM pg_temp.dl('ah', 'h1')),
+          '... no longer dead, no longer parked for good');
+SELECT is(pg_temp.claim('ah3', ARRAY['ah']), 1, 'seq 2 flows');
+SELECT is(idem_outbox_ack(pg_temp.ids('ah3'), pg_temp.tok('ah3')), 1, '... delivered');
+SELECT is(pg_temp.dead('ah'), 'h1:1', 'its dead letter stays listed');
+SELECT pg_temp.setting('outbox_max_attempts', '10') \g /dev/null
+
 -- 10. outbox_mode -----------------------------------------------------------
 
 SELECT pg_temp.setting('outbox_mode', 'wal') \g /dev/null
@@ -707,8 +770,19 @@ SELECT is((idem_outbox_emit('wal', 'w1', 'x', '{}')).seq, 4::bigint, 'both: the 
 SELECT is((SELECT count(*)::int FROM idempotency.outbox_events WHERE aggregate_type = 'wal'), 1, 'both: the row is stored');
 SELECT pg_temp.setting('outbox_mode', 'table') \g /dev/null
 SELECT is((idem_outbox_emit('wal', 'w1', 'x', '{}')).seq, 5::bigint, 'table: the next seq');
+SELECT is((SELECT ARRAY[last_seq, stored_seq, wal_seq] FROM idempotency.outbox_sequences
+            WHERE aggregate_type = 'wal' AND aggregate_id = 'w1'), ARRAY[5, 5, 3]::bigint[],
+          'outbox_sequences: the newest seq, the newest stored, the newest not stored');
+SELECT is((SELECT ARRAY[last_seq, stored_seq, wal_seq] FROM idempotency.outbox_sequences
+            WHERE aggregate_type = 'wal' AND aggregate_id = 'w2'), ARRAY[2, 0, 2]::bigint[],
+          '... of an aggregate that went to WAL only');
+SELECT is((SELECT pending FROM idempotency.outbox_backlog WHERE aggregate_type = 'wal'), 2::bigint,
+          'the backlog counts only the stored events (w1: 4, 5)');
 SELECT is(pg_temp.claim('w', ARRAY['wal']), 2, 'a relay gets the stored events of an aggregate whose first events went to WAL only');
 SELECT is(pg_temp.runs('w'), 'w1:4,w1:5', '... seqs 4 and 5');
+SELECT is(idem_outbox_ack(pg_temp.ids('w'), pg_temp.tok('w')), 2, '... delivered');
+SELECT is((SELECT count(*)::int FROM idempotency.outbox_backlog WHERE aggregate_type = 'wal'), 0,
+          'then nothing of that type is pending');
 
 -- 11. aggregate_types -------------------------------------------------------
 

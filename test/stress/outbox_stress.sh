@@ -5,42 +5,60 @@
 # types, 'acct' and 'cart' (idem_outbox_emit once or twice, or
 # idem_outbox_emit_many over 4 aggregates, repeats allowed, in random order)
 # and record what emit returned in stress_emitted in the same transaction;
-# ROLLBACK_PCT % of the transactions roll back.  Four relays (pgbench, one
-# client each) loop: claim a batch with a 2-second lease (relay 3 only
-# aggregate type 'acct'), "publish" it by inserting it into consumer_log in a
-# transaction of its own, then ack it with the lease token, logging what the
-# ack returned in ack_log.  Relay 4 waits between publishing and acking; its
-# backend is terminated while it waits (mid-lease), and it is started again.
-# A fifth, "stale" relay claims, publishes, sleeps past its lease and acks
-# late: the ack must mark nothing.  idem_maintain() runs every half second
-# with 1-second partitions.  After the emitters stop, the relays drain.
+# ROLLBACK_PCT % of the transactions roll back.  A two-phase emitter emits,
+# PREPAREs (under the default outbox_notify = 'commit'), waits and then
+# COMMITs PREPARED (or, ROLLBACK_PCT % of the time, rolls back PREPARED).
+# About 1 % of the events are poison ('poison': true in the payload): every
+# relay fails them.  Four relays (pgbench, one client each) loop: claim a
+# batch with a 2-second lease (relay 3 only aggregate type 'acct'),
+# "publish" it by inserting it into consumer_log in a transaction of its own
+# -- per aggregate only the events before its first poison event -- then
+# ack what it published with the lease token, logging what the ack returned
+# in ack_log, and nack the poison event.  After outbox_max_attempts (5)
+# failures a poison event is dead-lettered; the relays start under
+# outbox_dead_policy 'block' (its aggregate waits) and switch to 'skip'
+# halfway through the emitting time (read from stress_policy every round),
+# so blocked aggregates are taken through the dead path while emitters keep
+# emitting to them and relays are terminated and go stale.  Relay 4 waits
+# between publishing and acking; its backend is terminated while it waits
+# (mid-lease), and it is started again.  A fifth, "stale" relay claims,
+# publishes, sleeps past its lease and acks late: the ack must mark nothing.
+# idem_maintain() runs every half second with 1-second partitions.  After
+# the emitters stop, the relays drain.
 # Checks:
-#   - pgbench: no emitter or relay got an error (except relay 4's
-#     termination), idem_maintain() never failed;
+#   - pgbench: no emitter (two-phase included) or relay got an error (except
+#     relay 4's termination), idem_maintain() never failed, no prepared
+#     transaction is left;
 #   - the committed emits (stress_emitted) and idempotency.outbox_events hold
 #     the same events (id, aggregate, seq); per aggregate seqs are 1..max
 #     without gaps or repeats, and outbox_sequences.last_seq = max;
 #   - inside one emitting transaction, the events of one aggregate have
 #     consecutive seqs in call / array order;
-#   - every committed event was published, with its payload, at least once;
-#     nothing else was published;
-#   - per aggregate, the first publications come in seq order;
+#   - every committed event was published, with its payload, at least once,
+#     except the poison ones, which all ended dead-lettered (and nothing
+#     else did); nothing else was published;
+#   - per aggregate, the first publications come in seq order, passing only
+#     over dead-lettered events, and no claim made under 'block' (before the
+#     switch) published anything behind a dead-lettered event; some event
+#     died before the switch (the switch took blocked aggregates);
 #   - every claim: one lease token, one lease_until, one relay; per aggregate
 #     a run of consecutive seqs in output order;
 #   - relay 3 published only 'acct' events;
 #   - no event was handed out again after a publication of it was fully
 #     acked (claims ordered by their lease ends: a relay that stalled past
 #     its lease may still publish its stale copy later, and its ack marks
-#     nothing), and the acks marked every event exactly once in all (sum of
-#     ack results = events);
+#     nothing), and the acks marked every event that is not poison exactly
+#     once in all (sum of ack results = those events);
 #   - relay 4 was terminated holding a non-empty unacked lease, and those
 #     events were published again later by another relay;
 #   - the stale relay's late ack returned 0;
-#   - afterwards every aggregate is fully acked, and no lease is left.
+#   - afterwards every aggregate is fully acked (past its dead letters), none
+#     is parked or dead, and no lease is left.
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (superuser: it terminates a
 # backend and sets idempotency.debug_clock_offset); run by test/run-tests (part "stress") in an empty database.
 # Settings: IDEM_STRESS_SECONDS (emitting time, default 15),
-# IDEM_STRESS_CLIENTS (emitters, default 6), IDEM_STRESS_AGGREGATES (default
+# IDEM_STRESS_CLIENTS (emitters, default 6; plus the two-phase one),
+# IDEM_STRESS_AGGREGATES (default
 # 2000), IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_RATE (emitting
 # transactions per second, all emitters together, default 800: about what
 # four relays deliver on two cores, so the drain measures no backlog of an
@@ -61,7 +79,8 @@ BATCH=20
 # 1-day partitions CREATE EXTENSION premade (outbox partitions do not reshape
 # when partition_interval changes), so the events go into 1-second ones
 base_options=${PGOPTIONS:-}
-export PGOPTIONS="$base_options -c idempotency.debug_clock_offset=864000"
+CLOCK_OFFSET=864000
+export PGOPTIONS="$base_options -c idempotency.debug_clock_offset=$CLOCK_OFFSET -c idempotency.outbox_max_attempts=5"
 
 . "$(dirname "$0")/common.bash"
 
@@ -77,20 +96,49 @@ CREATE TABLE stress_emitted (
     tx bigint NOT NULL, pos int NOT NULL,
     id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
     seq bigint NOT NULL, payload jsonb NOT NULL);
--- what the relays published (n gives the publication order)
+-- what the relays published (n gives the publication order), with the dead
+-- policy and the time of the claim
 CREATE TABLE consumer_log (
     n bigserial PRIMARY KEY, relay int NOT NULL, lease_token uuid, lease_until timestamptz,
     ord bigint NOT NULL, id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-    seq bigint NOT NULL, payload jsonb, attempts int,
+    seq bigint NOT NULL, payload jsonb, attempts int, policy text, claimed_at timestamptz,
     published_at timestamptz NOT NULL DEFAULT clock_timestamp());
 -- what the acks returned
 CREATE TABLE ack_log (relay int NOT NULL, lease_token uuid, sent int NOT NULL, acked int NOT NULL,
                       acked_at timestamptz NOT NULL DEFAULT clock_timestamp());
--- each relay's current batch, as claimed
+-- each relay's current batch, as claimed; publish: before the first poison
+-- event of its aggregate in the batch
 CREATE UNLOGGED TABLE relay_batch (
     relay int NOT NULL, ord bigint NOT NULL, id uuid, aggregate_type text, aggregate_id text,
-    seq bigint, payload jsonb, attempts int, lease_token uuid, lease_until timestamptz);
+    seq bigint, payload jsonb, attempts int, lease_token uuid, lease_until timestamptz,
+    publish boolean, policy text, claimed_at timestamptz);
+-- the dead policy the relays use (read every round), and when it changed
+CREATE TABLE stress_policy (policy text NOT NULL, switched_at timestamptz);
+INSERT INTO stress_policy VALUES ('block', NULL);
 SQL
+
+# what a relay keeps of its claim ($claim: the idem_outbox_claim call)
+keep_batch() {
+    cat <<SQL
+INSERT INTO relay_batch
+  SELECT $1, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
+         c.lease_token, c.lease_until,
+         NOT coalesce(bool_or((c.payload->>'poison')::boolean)
+                        OVER (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.seq), false),
+         current_setting('idempotency.outbox_dead_policy'), clock_timestamp()
+  FROM $2 WITH ORDINALITY c;
+SQL
+}
+# publishing: the batch's publishable events into consumer_log
+publish_batch() {
+    cat <<SQL
+INSERT INTO consumer_log (relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload,
+                          attempts, policy, claimed_at)
+  SELECT relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts,
+         policy, claimed_at
+  FROM relay_batch WHERE relay = $1 AND publish ORDER BY ord;
+SQL
+}
 
 # an emitting transaction: one emit, two emits to the same aggregate, or
 # emit_many over 4 aggregates in random order (repeats allowed); type 'cart'
@@ -102,11 +150,12 @@ cat >"$tmp/emit.sql" <<'PGBENCH'
 \set t random(1, 4)
 \set mode random(1, 4)
 \set r random(1, 100)
+\set p random(1, 100)
 BEGIN;
 \if :mode <= 2
 INSERT INTO stress_emitted SELECT txid_current(), 1, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
   FROM idem_outbox_emit(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END, :a::text, 'one',
-                        jsonb_build_object('a', :a::int, 'r', :r::int)) e;
+                        jsonb_build_object('a', :a::int, 'r', :r::int, 'poison', :p::int = 1)) e;
 \elif :mode = 3
 INSERT INTO stress_emitted SELECT txid_current(), 1, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
   FROM idem_outbox_emit(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END, :a::text, 'first',
@@ -119,7 +168,7 @@ INSERT INTO stress_emitted SELECT txid_current(), e.ordinality, e.id, e.aggregat
   FROM idem_outbox_emit_many(CASE WHEN :t = 1 THEN 'cart' ELSE 'acct' END,
                              ARRAY[:a::text, :b::text, :a::text, :c::text],
                              ARRAY['m1', 'm2', 'm3', 'm4'],
-                             ARRAY[jsonb_build_object('p', 1), jsonb_build_object('p', 2),
+                             ARRAY[jsonb_build_object('p', 1, 'poison', :p::int = 1), jsonb_build_object('p', 2),
                                    jsonb_build_object('p', 3), jsonb_build_object('p', 4)])
        WITH ORDINALITY e;
 \endif
@@ -130,27 +179,51 @@ COMMIT;
 \endif
 PGBENCH
 
-# a relay round: claim (autocommit; the batch is kept in relay_batch), publish
-# (a transaction of its own), wait ack_delay ms, ack with the lease token
-cat >"$tmp/relay.sql" <<'PGBENCH'
+# a two-phase emitting transaction (pgbench -M simple: the gid is literal
+# text); a prepared transaction sends no NOTIFY, its events wait for the
+# relays' polls
+cat >"$tmp/emit2pc.sql" <<'PGBENCH'
+\set a random_zipfian(1, :naggs, 1.1)
+\set r random(1, 100)
+\set p random(1, 100)
+\set g random(1, 1000000000)
+BEGIN;
+INSERT INTO stress_emitted SELECT txid_current(), 1, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.payload
+  FROM idem_outbox_emit('acct', ':a', 'prepared', jsonb_build_object('a', :a, 'r', :r, 'poison', :p = 1)) e;
+PREPARE TRANSACTION 'stress-:client_id-:g';
+\sleep 20 ms
+\if :r <= :rollback_pct
+ROLLBACK PREPARED 'stress-:client_id-:g';
+\else
+COMMIT PREPARED 'stress-:client_id-:g';
+\endif
+PGBENCH
+
+# a relay round: the dead policy of the moment; claim (autocommit; the batch
+# is kept in relay_batch), publish (a transaction of its own: the
+# INSERT INTO consumer_log, which relay 4's termination looks for), wait
+# ack_delay ms, ack what it published with the lease token, nack the first
+# poison event of each aggregate
+cat >"$tmp/relay.sql" <<PGBENCH
+SELECT set_config('idempotency.outbox_dead_policy', policy, false) FROM stress_policy;
 DELETE FROM relay_batch WHERE relay = :relay::int;
-INSERT INTO relay_batch
-  SELECT :relay::int, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
-         c.lease_token, c.lease_until
-  FROM idem_outbox_claim(:batch, :lease::interval,
-                         CASE WHEN :relay::int = 3 THEN ARRAY['acct'] END) WITH ORDINALITY c;
+$(keep_batch ':relay::int' "idem_outbox_claim(:batch, :lease::interval,
+                         CASE WHEN :relay::int = 3 THEN ARRAY['acct'] END)")
 SELECT count(*) AS n, coalesce(min(lease_token::text), '00000000-0000-0000-0000-000000000000') AS tok
   FROM relay_batch WHERE relay = :relay::int \gset
 \if :n > 0
-INSERT INTO consumer_log (relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts)
-  SELECT relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts
-  FROM relay_batch WHERE relay = :relay::int ORDER BY ord;
+$(publish_batch ':relay::int')
 \if :ack_delay > 0
 \sleep :ack_delay ms
 \endif
 INSERT INTO ack_log (relay, lease_token, sent, acked)
-  SELECT :relay::int, :tok::uuid, count(*), idem_outbox_ack(array_agg(id ORDER BY ord), :tok::uuid)
-  FROM relay_batch WHERE relay = :relay::int;
+  SELECT :relay::int, :tok::uuid, count(*),
+         idem_outbox_ack(coalesce(array_agg(id ORDER BY ord), '{}'), :tok::uuid)
+  FROM relay_batch WHERE relay = :relay::int AND publish;
+SELECT count(idem_outbox_nack(b.id, 'poison', '0', b.lease_token)) FROM relay_batch b
+ WHERE b.relay = :relay::int AND NOT b.publish
+   AND NOT EXISTS (SELECT FROM relay_batch q WHERE q.relay = b.relay AND NOT q.publish
+                     AND q.aggregate_type = b.aggregate_type AND q.aggregate_id = b.aggregate_id AND q.seq < b.seq);
 \else
 \sleep 20 ms
 \endif
@@ -176,7 +249,9 @@ bg_pids+=($!)
 
 RELAY_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is delivered
 echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s at $RATE transactions/s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"
-echo "  4 relays (batch $BATCH, lease $LEASE) until all is delivered (at most ${DRAIN}s after the emitters), relay 4 terminated mid-lease, 1 stale relay"
+echo "  1 two-phase emitter (PREPARE, COMMIT / ROLLBACK PREPARED); 1 % poison events, dead after 5 attempts;"
+echo "  4 relays (batch $BATCH, lease $LEASE) until all is delivered (at most ${DRAIN}s after the emitters), relay 4 terminated mid-lease, 1 stale relay;"
+echo "  dead policy 'block', then 'skip' after $((SECONDS_RUN / 2))s"
 start=$SECONDS
 relay 1 "$RELAY_SECS" 0 relay1.out; r1=$!
 relay 2 "$RELAY_SECS" 0 relay2.out; r2=$!
@@ -187,6 +262,18 @@ pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" -R "$RATE" \
     -D naggs="$NAGGS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/emit.sql" >"$tmp/emit.out" 2>&1 &
 emit_pid=$!
 bg_pids+=("$emit_pid")
+pgbench -n -M simple -c 1 -T "$SECONDS_RUN" -R 20 \
+    -D naggs="$NAGGS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/emit2pc.sql" >"$tmp/emit2pc.out" 2>&1 &
+emit2pc_pid=$!
+bg_pids+=("$emit2pc_pid")
+# halfway: the relays switch from 'block' to 'skip' (switched_at is taken
+# before the change commits: a relay that reads 'skip' read it later)
+(
+    sleep $((SECONDS_RUN / 2))
+    sql -c "UPDATE stress_policy SET policy = 'skip', switched_at = clock_timestamp()"
+) &
+switch_pid=$!
+bg_pids+=("$switch_pid")
 
 sleep 1
 # terminate relay 4 while it waits between publishing and acking
@@ -223,13 +310,8 @@ for _ in $(seq 1 300); do
     kill -0 "$emit_pid" 2>/dev/null || break
     PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" sql <<SQL
 DELETE FROM relay_batch WHERE relay = 5;
-INSERT INTO relay_batch
-  SELECT 5, c.ordinality, c.id, c.aggregate_type, c.aggregate_id, c.seq, c.payload, c.attempts,
-         c.lease_token, c.lease_until
-  FROM idem_outbox_claim($BATCH, '$LEASE') WITH ORDINALITY c;
-INSERT INTO consumer_log (relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts)
-  SELECT relay, lease_token, lease_until, ord, id, aggregate_type, aggregate_id, seq, payload, attempts
-  FROM relay_batch WHERE relay = 5 ORDER BY ord;
+$(keep_batch 5 "idem_outbox_claim($BATCH, '$LEASE')")
+$(publish_batch 5)
 SQL
     [[ $(sql -c "SELECT count(*) FROM relay_batch WHERE relay = 5") -gt 0 ]] && break
     sleep 0.1
@@ -239,22 +321,36 @@ stale_ack=''
 if [[ $stale_n -gt 0 ]]; then
     sleep 3     # the 2-second lease expires; the other relays may take the run over
     stale_ack=$(sql -c "INSERT INTO ack_log (relay, lease_token, sent, acked)
-                        SELECT 5, min(lease_token::text)::uuid, count(*),
-                               idem_outbox_ack(array_agg(id ORDER BY ord), min(lease_token::text)::uuid)
-                        FROM relay_batch WHERE relay = 5 RETURNING acked")
+                        SELECT 5, t.tok, count(b.id),
+                               idem_outbox_ack(coalesce(array_agg(b.id ORDER BY b.ord), '{}'), t.tok)
+                        FROM (SELECT min(lease_token::text)::uuid AS tok FROM relay_batch WHERE relay = 5) t
+                        LEFT JOIN relay_batch b ON b.relay = 5 AND b.publish
+                        GROUP BY t.tok RETURNING acked")
 fi
 
 rc=0
 wait "$emit_pid" || rc=$?
 grep -E 'processed|failed|tps|aborted' "$tmp/emit.out" | sed 's/^/  emitters: /' || true
 [[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit.out"; fail "emitters: pgbench exited with status $rc (a client got an error)"; }
+rc=0
+wait "$emit2pc_pid" || rc=$?
+grep -E 'processed|failed|tps|aborted' "$tmp/emit2pc.out" | sed 's/^/  two-phase emitter: /' || true
+[[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit2pc.out"; fail "two-phase emitter: pgbench exited with status $rc (a client got an error)"; }
+wait "$switch_pid" || fail "the switch to policy 'skip' failed"
+expect_zero "prepared transactions left" "SELECT count(*) FROM pg_prepared_xacts" "SELECT gid FROM pg_prepared_xacts"
 # the relays drain what is left, then stop
 drain_start=$SECONDS
 drained=f
 while ((SECONDS - drain_start < DRAIN)); do
     drained=$(sql -c "SELECT NOT EXISTS (SELECT FROM stress_emitted s
-                                         WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id))
-                        AND (SELECT coalesce(sum(acked), 0) FROM ack_log) >= (SELECT count(*) FROM stress_emitted)")
+                                         WHERE (s.payload->>'poison')::boolean IS NOT TRUE
+                                           AND NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id))
+                        AND (SELECT coalesce(sum(acked), 0) FROM ack_log)
+                            >= (SELECT count(*) FROM stress_emitted WHERE (payload->>'poison')::boolean IS NOT TRUE)
+                        AND NOT EXISTS (SELECT FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m
+                                                     FROM stress_emitted GROUP BY 1, 2) e
+                                        LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+                                        WHERE d.acked_seq IS DISTINCT FROM e.m)")
     [[ $drained == t ]] && break
     sleep 0.5
 done
@@ -313,24 +409,50 @@ expect_zero "aggregates whose outbox_sequences.last_seq is not their max seq" \
 expect_zero "emitting transactions whose events of one aggregate are not consecutive seqs in call order" \
     "SELECT count(*) FROM (SELECT seq - lag(seq) OVER w AS d FROM stress_emitted
        WINDOW w AS (PARTITION BY tx, aggregate_type, aggregate_id ORDER BY pos)) x WHERE d <> 1"
-expect_zero "committed events never published" \
-    "SELECT count(*) FROM stress_emitted s WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id)" \
+expect_zero "committed events never published, not poison" \
+    "SELECT count(*) FROM stress_emitted s WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id)
+       AND (s.payload->>'poison')::boolean IS NOT TRUE" \
     "SELECT s.aggregate_type, s.aggregate_id, s.seq, d.acked_seq, d.leased_seq, d.lease_until, d.dead_seq, d.retry_at
        FROM stress_emitted s LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
-       WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id) LIMIT 5"
+       WHERE NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id) AND (s.payload->>'poison')::boolean IS NOT TRUE LIMIT 5"
+expect_zero "poison events published" \
+    "SELECT count(*) FROM consumer_log WHERE (payload->>'poison')::boolean IS TRUE"
+expect_zero "committed poison events not dead-lettered" \
+    "SELECT count(*) FROM stress_emitted s WHERE (s.payload->>'poison')::boolean IS TRUE
+       AND NOT EXISTS (SELECT FROM idempotency.outbox_dead l WHERE l.id = s.id)"
+expect_zero "dead letters of events that are not poison (or not committed)" \
+    "SELECT count(*) FROM idempotency.outbox_dead l WHERE NOT EXISTS (SELECT FROM stress_emitted s
+       WHERE s.id = l.id AND (s.payload->>'poison')::boolean IS TRUE)" \
+    "SELECT aggregate_type, aggregate_id, seq, attempts, last_error FROM idempotency.outbox_dead l
+      WHERE NOT EXISTS (SELECT FROM stress_emitted s WHERE s.id = l.id AND (s.payload->>'poison')::boolean IS TRUE) LIMIT 5"
 expect_zero "publications of events that no committed emit returned, or with another aggregate, seq or payload" \
     "SELECT count(*) FROM consumer_log c WHERE NOT EXISTS (SELECT FROM stress_emitted s
        WHERE s.id = c.id AND s.aggregate_type = c.aggregate_type AND s.aggregate_id = c.aggregate_id
          AND s.seq = c.seq AND s.payload = c.payload)"
+# (in seq order: a seq passed over between two first publications must be a
+# dead letter)
+out_of_order="FROM (SELECT aggregate_type, aggregate_id, seq, lag(seq) OVER w AS prev
+         FROM (SELECT aggregate_type, aggregate_id, seq, min(n) AS first_n FROM consumer_log GROUP BY 1, 2, 3) f
+         WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY first_n)) x
+       WHERE seq <= coalesce(prev, 0)
+          OR EXISTS (SELECT FROM generate_series(coalesce(prev, 0) + 1, seq - 1) g(s)
+                     WHERE NOT EXISTS (SELECT FROM idempotency.outbox_dead l WHERE l.aggregate_type = x.aggregate_type
+                                         AND l.aggregate_id = x.aggregate_id AND l.seq = g.s))"
 expect_zero "aggregates whose first publications are not in seq order" \
-    "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, seq, lag(seq) OVER w AS prev
-         FROM (SELECT aggregate_type, aggregate_id, seq, min(n) AS first_n FROM consumer_log GROUP BY 1, 2, 3) f
-         WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY first_n)) x
-       WHERE seq <> coalesce(prev, 0) + 1" \
-    "SELECT aggregate_type, aggregate_id, seq, prev FROM (SELECT aggregate_type, aggregate_id, seq, lag(seq) OVER w AS prev
-         FROM (SELECT aggregate_type, aggregate_id, seq, min(n) AS first_n FROM consumer_log GROUP BY 1, 2, 3) f
-         WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY first_n)) x
-       WHERE seq <> coalesce(prev, 0) + 1 LIMIT 5"
+    "SELECT count(*) $out_of_order" "SELECT aggregate_type, aggregate_id, seq, prev $out_of_order LIMIT 5"
+switched_at=$(sql -c "SELECT switched_at FROM stress_policy")
+[[ -n $switched_at ]] || fail "the dead policy never switched to 'skip'"
+# (dead_at is on the extension's clock, CLOCK_OFFSET seconds ahead)
+dead_before=$(sql -c "SELECT count(*) FROM idempotency.outbox_dead
+                      WHERE dead_at - interval '$CLOCK_OFFSET seconds' < '$switched_at'")
+[[ $dead_before -gt 0 ]] && echo "ok: $dead_before events died under 'block', before the switch to 'skip'" \
+    || fail "no event died before the switch to 'skip' (the switch took no blocked aggregate)"
+expect_zero "publications by claims under 'block' (before the switch) of events behind a dead letter" \
+    "SELECT count(*) FROM consumer_log c WHERE c.claimed_at < '$switched_at' AND EXISTS (
+       SELECT FROM idempotency.outbox_dead l WHERE l.aggregate_type = c.aggregate_type
+         AND l.aggregate_id = c.aggregate_id AND l.seq < c.seq)"
+echo "claims under 'skip' that published: $(sql -c "SELECT count(DISTINCT lease_token) FROM consumer_log WHERE policy = 'skip'")," \
+     "two-phase events committed: $(sql -c "SELECT count(*) FROM idempotency.outbox_events WHERE event_type = 'prepared'")"
 expect_zero "claims whose rows carry more than one lease token / lease_until / relay" \
     "SELECT count(*) FROM (SELECT lease_token FROM consumer_log GROUP BY 1
        HAVING count(DISTINCT lease_until) <> 1 OR count(DISTINCT relay) <> 1 OR lease_token IS NULL) x"
@@ -362,8 +484,9 @@ echo "publications after another relay's full ack of the same event (a stale lea
                  SELECT FROM consumer_log p JOIN ack_log a ON a.lease_token = p.lease_token
                  WHERE p.id = c.id AND p.n < c.n AND a.acked = a.sent)")"
 acked_sum=$(sql -c "SELECT coalesce(sum(acked), 0) FROM ack_log")
-[[ $acked_sum -eq $emitted ]] && echo "ok: the acks marked $acked_sum events, one per committed event" \
-    || fail "the acks marked $acked_sum events in all, but $emitted events were committed (each must be marked exactly once)"
+deliverable=$(sql -c "SELECT count(*) FROM stress_emitted WHERE (payload->>'poison')::boolean IS NOT TRUE")
+[[ $acked_sum -eq $deliverable ]] && echo "ok: the acks marked $acked_sum events, one per committed event not poison" \
+    || fail "the acks marked $acked_sum events in all, but $deliverable events not poison were committed (each must be marked exactly once)"
 expect_zero "aggregates not fully acked at the end, or parked or dead" \
     "SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m FROM stress_emitted GROUP BY 1, 2) e
        LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
@@ -371,7 +494,6 @@ expect_zero "aggregates not fully acked at the end, or parked or dead" \
     "SELECT e.*, d.* FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m FROM stress_emitted GROUP BY 1, 2) e
        LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
        WHERE d.acked_seq IS DISTINCT FROM e.m OR d.dead_seq IS NOT NULL OR d.retry_at IS NOT NULL LIMIT 5"
-expect_zero "dead-lettered events" "SELECT count(*) FROM idempotency.outbox_dead"
 expect_zero "a claim now still returns events" "SELECT count(*) FROM idem_outbox_claim(1000, '1 second')"
 
 if [[ -z $killed_token ]]; then
@@ -404,8 +526,8 @@ fi
 if [[ $stale_n -gt 0 ]]; then
     [[ $stale_ack == 0 ]] && echo "ok: the stale relay's late ack returned 0" \
         || fail "the stale relay's ack after its lease expired returned '$stale_ack', expected 0"
-    expect_zero "events of the stale relay's lease not published again" \
-        "SELECT count(*) FROM relay_batch k WHERE k.relay = 5
+    expect_zero "events of the stale relay's lease (not poison) not published again" \
+        "SELECT count(*) FROM relay_batch k WHERE k.relay = 5 AND (k.payload->>'poison')::boolean IS NOT TRUE
            AND NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = k.id AND c.relay <> 5)"
 else
     fail "the stale relay never got a batch"
