@@ -103,6 +103,22 @@ SELECT regexp_replace(pg_temp.try($$SELECT count(*) FROM idem_maintain()$$),
                       '"?idem_other_role"?', 'R');
 ALTER TABLE idempotency.partition_registry OWNER TO CURRENT_USER;
 
+-- 7. a maintenance role's own settings cannot make its round drop more: with
+-- outbox_keep_undelivered off in its session, an undelivered event still
+-- pins its partition (a superuser's, or the owner's, setting is honoured)
+SELECT relid AS pinned_part FROM idempotency.outbox_partitions
+ WHERE lower <= now() AND now() < upper \gset
+SELECT seq FROM idem_outbox_emit('maint-security', 'a-1', 'created', '{}');
+SET idempotency.debug_clock_offset = '30d';
+SET ROLE idem_maint_role;
+SET idempotency.outbox_keep_undelivered = off;
+SELECT action FROM idem_maintain() WHERE object = :'pinned_part';
+RESET ROLE;
+SELECT count(*) AS kept FROM idempotency.outbox_partitions WHERE relid = :'pinned_part'::regclass;
+SELECT action FROM idem_maintain() WHERE object = :'pinned_part';
+RESET idempotency.debug_clock_offset;
+RESET idempotency.outbox_keep_undelivered;
+
 SET client_min_messages = warning;
 DROP EXTENSION idempotency CASCADE;
 RESET client_min_messages;

@@ -260,6 +260,7 @@ typedef bool (*IdemGuardedAction) (void *arg);
 extern void idem_report_action(MaintainReport *rep, const char *action, const char *object);
 extern bool idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
 							 IdemGuardedAction fn, void *arg);
+extern bool idem_round_caller_trusted(void);
 extern bool idem_partition_trusted(MaintainReport *rep, const char *verb, Oid relid, Oid parent,
 								   const char *name);
 extern void idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected);

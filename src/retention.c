@@ -722,6 +722,21 @@ copy_partition_set(IdemPartitionSet *set)
 	return copy;
 }
 
+/* Who started the round now running (InvalidOid: none runs). */
+static Oid	round_caller = InvalidOid;
+
+/*
+ * May the round honour its caller's settings where they let it drop more
+ * (idempotency.outbox_keep_undelivered = off)?  Only if the caller has the
+ * extension owner's rights: the round runs as that owner, and a role that
+ * may only start rounds must not make one drop undelivered events.
+ */
+bool
+idem_round_caller_trusted(void)
+{
+	return OidIsValid(round_caller) && has_privs_of_role(round_caller, idem_extension_owner());
+}
+
 /*
  * Act as the extension's owner for a round (see ownership.c), with a short
  * lock_timeout: the round's DDL (CREATE TABLE ... INHERITS, ATTACH
@@ -735,6 +750,7 @@ begin_round_as_owner(IdemAsOwner *as)
 	char		timeout[32];
 
 	idem_check_members_owned();
+	round_caller = GetUserId();
 	idem_become_owner(as);
 	snprintf(timeout, sizeof(timeout), "%d", IDEM_MAINTENANCE_LOCK_TIMEOUT_MS);
 	(void) set_config_option("lock_timeout", timeout, PGC_USERSET, PGC_S_SESSION,
@@ -786,6 +802,7 @@ maintain(MaintainReport *rep, bool wait, bool reshape)
 	idem_stores_maintain(rep, &r.s, r.now);
 	SPI_finish();
 	idem_unbecome_owner(&as);
+	round_caller = InvalidOid;
 	idem_stats_maintained();
 	return true;
 }

@@ -463,7 +463,9 @@ typedef struct DropCall
 static bool
 pins_count(const StoreDesc *d)
 {
-	return d->pinned != NULL && (d->keep_pinned == NULL || *d->keep_pinned);
+	/* a setting that lets rows be dropped counts only from a trusted caller */
+	return d->pinned != NULL &&
+		(d->keep_pinned == NULL || *d->keep_pinned || !idem_round_caller_trusted());
 }
 
 /* Has the partition a row younger than the retention (under the active snapshot)? */
