@@ -111,21 +111,46 @@ DELETE FROM idempotency.shard_ownership;
 SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
 SELECT idem_shard_configure(2, '{1}');
 
--- 7. Privileges: anyone may be checked; only the table's owner configures,
--- and only the owner may generate router DDL
+-- 7. Privileges: the check needs a grant (a check that passes holds a lock a
+-- freeze waits for); a claim needs INSERT on the claims, as idem_claim does;
+-- only the table's owner configures, and only the owner may generate router DDL
 CREATE ROLE idem_shard_app;
+CREATE ROLE idem_shard_nobody;
 GRANT USAGE ON SCHEMA idempotency TO idem_shard_app;
 GRANT INSERT, SELECT ON idempotency.claims TO idem_shard_app;
 SET ROLE idem_shard_app;
 SELECT partitions, owned FROM idempotency.shard_ownership;
 SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
-SELECT pg_temp.try($$SELECT idem_shard_assert('2')$$);
 SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'app-1')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('2', 'app-2')$$);
 SELECT pg_temp.try($$SELECT idem_shard_configure(2, '{0,1}')$$);
 SELECT pg_temp.try($$UPDATE idempotency.shard_ownership SET owned = '{0,1}'$$);
 SELECT pg_temp.try($$SELECT idem_shard_router_ddl('handle(text,text)', 'account')$$);
 SELECT pg_temp.try($$SELECT idem_shard_router_admin_ddl()$$);
 RESET ROLE;
+-- granted, the check passes and refuses as for anyone
+GRANT EXECUTE ON FUNCTION idem_shard_assert(text) TO idem_shard_app;
+SET ROLE idem_shard_app;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_assert('2')$$);
+RESET ROLE;
+-- a role with no grant at all: 42501 everywhere, and no lock left behind
+BEGIN;
+SET LOCAL ROLE idem_shard_nobody;
+SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
+SELECT pg_temp.try($$SELECT idem_claim_routed('1', 'nobody-1')$$);
+SELECT pg_temp.try($$SELECT idem_shard_configure(2, '{0,1}')$$);
+SELECT pg_temp.try($$SELECT count(*) FROM idempotency.shard_ownership$$);
+RESET ROLE;
+SELECT count(*) AS locks_held FROM pg_locks
+ WHERE pid = pg_backend_pid() AND relation = 'idempotency.shard_ownership'::regclass;
+ROLLBACK;
+SELECT p.proname, p.proacl IS NOT NULL AND NOT has_function_privilege('public', p.oid, 'EXECUTE') AS closed_to_public
+  FROM pg_proc p
+ WHERE p.proname IN ('idem_shard_assert', 'idem_shard_configure', 'idem_shard_router_ddl',
+                     'idem_shard_router_admin_ddl', 'idem_claim_routed', 'idem_shard_partition')
+    OR p.pronamespace = 'idempotency'::regnamespace AND p.proname LIKE 'shard\_%'
+ ORDER BY 1;
 
 -- 8. The router-side proxy of a handler (printed as it is)
 \a
@@ -207,3 +232,4 @@ DROP SCHEMA "Billing" CASCADE;
 DROP TABLE effects;
 DROP EXTENSION idempotency CASCADE;
 DROP ROLE idem_shard_app;
+DROP ROLE idem_shard_nobody;

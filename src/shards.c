@@ -12,24 +12,48 @@
  * idempotency.shard_ownership (a configuration table: pg_dump carries it
  * with the claims when a database moves); no row means "not sharded" and
  * every routed call passes.  idem_shard_assert() raises IK006 for a
- * partition not owned and IK007 while the database is frozen for a move;
- * idem_claim_routed() checks, then claims as idem_claim() does.
+ * partition not owned and IK007 while the database is frozen for a move or
+ * its record is being changed; idem_claim_routed() checks, then claims as
+ * idem_claim() does.
  *
  * Locking rules:
- *	- Every check takes AccessShareLock on idempotency.shard_ownership and
- *	  keeps it to the end of the transaction; idem_shard_configure() takes
- *	  AccessExclusiveLock.  A reconfiguration (a freeze, say) therefore
- *	  waits for every transaction that passed the check to end, and a check
- *	  that waited for a reconfiguration sees it: the lock is taken before
- *	  the cache is read, and taking it processes the invalidation the
- *	  reconfiguration sent.  A direct UPDATE of the table by its owner
- *	  takes only RowExclusiveLock and so waits for nobody: the caches follow
- *	  it, but only idem_shard_configure() freezes safely.
+ *	- A check takes AccessShareLock on idempotency.shard_ownership, then
+ *	  reads the record, and keeps the lock to the end of its transaction:
+ *	  that lock is how a reconfiguration finds the transactions in flight.
+ *	  A check that refuses raises an error, whose (sub)transaction abort
+ *	  releases the lock.
+ *	- A change of the record (idem_shard_configure, a direct write by the
+ *	  table's owner, pg_restore's COPY) tells every backend at once, from
+ *	  the table's statement trigger, before it commits: an immediate relcache
+ *	  invalidation besides the transactional one.  A check that takes its
+ *	  lock after that processes the invalidation (taking the lock does) and
+ *	  reads the table again, with a dirty snapshot: a row version that
+ *	  another transaction is writing or deleting is a change in progress,
+ *	  and the check refuses with IK007 without waiting.  So no routed call
+ *	  ever queues behind a reconfiguration.
+ *	- idem_shard_configure() takes ShareUpdateExclusiveLock (one
+ *	  reconfiguration at a time; checks and direct writes do not conflict
+ *	  with it, and no role without rights on the table can hold it beyond a
+ *	  failed statement), writes the row (which sends the invalidation),
+ *	  then waits for every transaction that held a lock on the table at
+ *	  that moment to end (GetLockConflicts, VirtualXactLock: it never joins
+ *	  the table's lock queue, and prepared transactions count).  A check
+ *	  that locked before the scan of the lock table is waited for; one that
+ *	  locked after it saw the invalidation (both sides go through
+ *	  LWLock-protected shared state in opposite orders), so a freeze
+ *	  commits only once every routed claim that passed under the old record
+ *	  has ended.  The wait is bounded by lock_timeout (5 s when that is 0):
+ *	  any role with USAGE on schema idempotency can hold AccessShareLock on
+ *	  the table (SELECT is granted to PUBLIC, and PREPARE of a SELECT needs
+ *	  no privilege at all), and then the change fails with 55P03, rolls
+ *	  back, and routed calls pass again.  A direct UPDATE by the owner makes
+ *	  checks refuse while it is open but waits for nobody: only
+ *	  idem_shard_configure() freezes safely.
  *	- The record is cached per backend and dropped by a relcache callback
- *	  on the table, which a statement trigger on the table sends on any
- *	  change (idem_shard_configure, a DELETE by the owner, pg_restore's
- *	  COPY).  The cache is read with the latest snapshot: ownership is
- *	  configuration, not data of the caller's snapshot.
+ *	  on the table; a change in progress is never cached (its rollback sends
+ *	  nothing).  The cache is read after the lock is taken, and filled with
+ *	  the dirty snapshot, not the caller's: ownership is configuration, not
+ *	  data of the caller's snapshot.
  *
  *-------------------------------------------------------------------------
  */
@@ -46,13 +70,18 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "storage/proc.h"
+#include "storage/sinval.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
+#include "utils/timestamp.h"
 
 PG_FUNCTION_INFO_V1(idem_shard_partition);
 PG_FUNCTION_INFO_V1(idem_shard_assert);
@@ -63,11 +92,15 @@ PG_FUNCTION_INFO_V1(idem_shard_changed);
 /* PL/Proxy has no limit; this keeps the owned set small and messages short */
 #define IDEM_MAX_SHARD_PARTITIONS	65536
 
+/* how long a reconfiguration waits for checks in flight when lock_timeout is 0 */
+#define IDEM_SHARD_WAIT_DEFAULT_MS	5000
+
 /* The ownership record as this backend last read it. */
 typedef struct ShardOwnership
 {
-	bool		valid;
+	bool		valid;			/* cached: read, and no change in progress */
 	Oid			relid;			/* idempotency.shard_ownership */
+	bool		changing;		/* another transaction is writing the record */
 	bool		configured;		/* a row exists */
 	int32		partitions;
 	bool		frozen;
@@ -110,12 +143,46 @@ check_partitions(int32 partitions)
 				 errdetail("PL/Proxy maps a hash to partition hash & (partitions - 1), which needs a power of 2.")));
 }
 
-/* Read the record (the caller holds AccessShareLock on the table). */
+/* Keep the committed row the scan returned (the caller holds AccessShareLock). */
+static void
+keep_ownership_row(TupleTableSlot *slot)
+{
+	bool		isnull;
+	Datum	   *elems;
+	int			n;
+	StringInfoData buf;
+
+	ownership.partitions = DatumGetInt32(slot_getattr(slot, 2, &isnull));
+	deconstruct_array(DatumGetArrayTypeP(slot_getattr(slot, 3, &isnull)), INT4OID,
+					  sizeof(int32), true, TYPALIGN_INT, &elems, NULL, &n);
+	ownership.frozen = DatumGetBool(slot_getattr(slot, 4, &isnull));
+	ownership.owned = MemoryContextAllocZero(TopMemoryContext,
+											 sizeof(bool) * ownership.partitions);
+	initStringInfo(&buf);
+	appendStringInfoChar(&buf, '{');
+	/* the table's CHECK constraints keep elements in range */
+	for (int i = 0; i < n; i++)
+	{
+		ownership.owned[DatumGetInt32(elems[i])] = true;
+		appendStringInfo(&buf, "%s%d", i > 0 ? "," : "", DatumGetInt32(elems[i]));
+	}
+	appendStringInfoChar(&buf, '}');
+	ownership.owned_text = MemoryContextStrdup(TopMemoryContext, buf.data);
+	ownership.configured = true;
+}
+
+/*
+ * Read the record with a dirty snapshot (the caller holds AccessShareLock):
+ * committed rows and those of transactions in progress.  A row another
+ * transaction inserted, updated or deleted and has not yet committed is a
+ * change in progress: not cached.
+ */
 static void
 load_ownership(Oid relid)
 {
 	Relation	rel = table_open(relid, NoLock);
-	TableScanDesc scan = table_beginscan(rel, GetLatestSnapshot(), 0, NULL);
+	SnapshotData dirty;
+	TableScanDesc scan;
 	TupleTableSlot *slot = table_slot_create(rel, NULL);
 
 	ownership.relid = relid;	/* the callback counts its invalidations now */
@@ -126,63 +193,61 @@ load_ownership(Oid relid)
 	ownership.owned = NULL;
 	ownership.owned_text = NULL;
 	ownership.configured = false;
-	if (table_scan_getnextslot(scan, ForwardScanDirection, slot))
+	ownership.changing = false;
+	InitDirtySnapshot(dirty);
+	scan = table_beginscan(rel, &dirty, 0, NULL);
+	while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
 	{
-		bool		isnull;
-		Datum	   *elems;
-		int			n;
-		StringInfoData buf;
-
-		ownership.partitions = DatumGetInt32(slot_getattr(slot, 2, &isnull));
-		deconstruct_array(DatumGetArrayTypeP(slot_getattr(slot, 3, &isnull)), INT4OID,
-						  sizeof(int32), true, TYPALIGN_INT, &elems, NULL, &n);
-		ownership.frozen = DatumGetBool(slot_getattr(slot, 4, &isnull));
-		ownership.owned = MemoryContextAllocZero(TopMemoryContext,
-												 sizeof(bool) * ownership.partitions);
-		initStringInfo(&buf);
-		appendStringInfoChar(&buf, '{');
-		/* the table's CHECK constraints keep elements in range */
-		for (int i = 0; i < n; i++)
-		{
-			ownership.owned[DatumGetInt32(elems[i])] = true;
-			appendStringInfo(&buf, "%s%d", i > 0 ? "," : "", DatumGetInt32(elems[i]));
-		}
-		appendStringInfoChar(&buf, '}');
-		ownership.owned_text = MemoryContextStrdup(TopMemoryContext, buf.data);
-		ownership.configured = true;
+		/* the scan set these for the version it returned */
+		if (TransactionIdIsValid(dirty.xmin) || TransactionIdIsValid(dirty.xmax))
+			ownership.changing = true;
+		else if (!ownership.configured)
+			keep_ownership_row(slot);
 	}
 	ExecDropSingleTupleTableSlot(slot);
 	table_endscan(scan);
 	table_close(rel, NoLock);
-	ownership.valid = true;
+	ownership.valid = !ownership.changing;
 }
 
 /*
- * The ownership record, current for this transaction: locked, so that no
- * reconfiguration takes effect before the caller's transaction ends.
+ * The ownership record, current for this transaction: AccessShareLock on
+ * the table is taken before the cache is read (taking it processes the
+ * invalidations of a change), and kept.  A change in progress comes back
+ * with changing set.
  */
 static ShardOwnership *
 current_ownership(void)
 {
+	Oid			relid;
+
 	if (!callback_registered)
 	{
 		CacheRegisterRelcacheCallback(shard_cache_callback, (Datum) 0);
 		callback_registered = true;
 	}
-	/* lock the cached table first: taking the lock processes invalidations */
-	if (ownership.valid)
-		LockRelationOid(ownership.relid, AccessShareLock);
+	relid = ownership.valid ? ownership.relid : idem_internal_relid("shard_ownership");
+	LockRelationOid(relid, AccessShareLock);
+	idem_debug_wait("shard_check");
 	while (!ownership.valid)
 	{
-		Oid			relid = idem_internal_relid("shard_ownership");
+		Oid			current = idem_internal_relid("shard_ownership");
 		uint64		invals;
 
-		LockRelationOid(relid, AccessShareLock);
+		if (current != relid)
+		{
+			/* the extension was created again since the cache was filled */
+			UnlockRelationOid(relid, AccessShareLock);
+			relid = current;
+			LockRelationOid(relid, AccessShareLock);
+			continue;
+		}
 		invals = ownership_invals;
 		load_ownership(relid);
-		/* a direct UPDATE (which does not wait for our lock) ended meanwhile */
-		if (ownership_invals != invals)
-			ownership.valid = false;
+		if (ownership_invals == invals)
+			break;
+		/* a change committed during the load: read again */
+		ownership.valid = false;
 	}
 	return &ownership;
 }
@@ -203,13 +268,20 @@ routing_key_arg(FunctionCallInfo fcinfo, int argno)
 	return key;
 }
 
-/* IK006 unless this database owns the routing key's partition; IK007 if frozen. */
+/* IK006 unless this database owns the routing key's partition; IK007 if frozen or being reconfigured. */
 static void
 assert_owned(text *routing_key)
 {
 	ShardOwnership *o = current_ownership();
 	int32		p;
 
+	if (o->changing)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_SHARD_FROZEN),
+				 errmsg("the hash partitions of database \"%s\" are being reconfigured",
+						get_database_name(MyDatabaseId)),
+				 errdetail("A change of idempotency.shard_ownership (idem_shard_configure(), say a freeze for a move) has not committed yet; routed calls are refused until it ends."),
+				 errhint("Retry the call once the change is over.")));
 	if (!o->configured)
 		return;
 	p = partition_of(routing_key, o->partitions);
@@ -276,10 +348,85 @@ idem_claim_routed(PG_FUNCTION_ARGS)
 								  "idem_claim_routed()"));
 }
 
+/* 55P03: a transaction that may have passed a check outlived the wait. */
+static void
+shard_wait_failed(VirtualTransactionId vxid, int timeout_ms)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+			 errmsg("could not change the shard ownership of database \"%s\": a transaction that may have passed the ownership check is still open",
+					get_database_name(MyDatabaseId)),
+			 errdetail("Virtual transaction %d/%u still holds a lock on table idempotency.shard_ownership after %d ms. Nothing was changed; routed calls are served as before.",
+					   vxid.backendId, vxid.localTransactionId, timeout_ms),
+			 errhint("Find its session with SELECT pid FROM pg_locks WHERE virtualtransaction = '%d/%u' (none for a prepared transaction: see pg_prepared_xacts), let it end or end it, or raise lock_timeout, and retry.",
+					 vxid.backendId, vxid.localTransactionId)));
+}
+
+/* Wait for one transaction to end, until deadline; 55P03 after it. */
+static void
+wait_for_transaction(VirtualTransactionId vxid, TimestampTz deadline, int timeout_ms)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	long		secs;
+	int			usecs;
+	int64		ms;
+	char		buf[32];
+	int			nestlevel;
+
+	if (VirtualXactLock(vxid, false))
+		return;					/* ended already */
+	TimestampDifference(GetCurrentTimestamp(), deadline, &secs, &usecs);
+	ms = (int64) secs * 1000 + usecs / 1000;
+	if (ms <= 0)
+		shard_wait_failed(vxid, timeout_ms);
+	/* a lock wait, so that it shows in pg_locks and the deadlock check sees it */
+	nestlevel = NewGUCNestLevel();
+	snprintf(buf, sizeof(buf), INT64_FORMAT, ms);
+	(void) set_config_option("lock_timeout", buf, PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	PG_TRY();
+	{
+		(void) VirtualXactLock(vxid, true);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(cxt);
+		edata = CopyErrorData();
+		if (edata->sqlerrcode != ERRCODE_LOCK_NOT_AVAILABLE)
+			PG_RE_THROW();
+		FlushErrorState();
+		shard_wait_failed(vxid, timeout_ms);
+	}
+	PG_END_TRY();
+	AtEOXact_GUC(true, nestlevel);
+}
+
+/*
+ * Wait, at most lock_timeout (IDEM_SHARD_WAIT_DEFAULT_MS when 0), for every
+ * other transaction holding a lock on the ownership table now: the checks
+ * that may have passed under the record being replaced.  Checks from now
+ * on see the change in progress and refuse (see the banner).
+ */
+static void
+wait_for_checks(Oid relid)
+{
+	int			timeout_ms = LockTimeout > 0 ? LockTimeout : IDEM_SHARD_WAIT_DEFAULT_MS;
+	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), timeout_ms);
+	LOCKTAG		tag;
+	VirtualTransactionId *vxids;
+
+	SET_LOCKTAG_RELATION(tag, MyDatabaseId, relid);
+	vxids = GetLockConflicts(&tag, AccessExclusiveLock, NULL);
+	for (; VirtualTransactionIdIsValid(*vxids); vxids++)
+		wait_for_transaction(*vxids, deadline, timeout_ms);
+}
+
 /*
  * idem_shard_configure(partitions integer, owned integer[], frozen boolean
- * = false): store the ownership record, after every transaction that
- * passed a check has ended.
+ * = false): store the ownership record, then wait for every transaction
+ * that passed a check under the old one to end.
  */
 Datum
 idem_shard_configure(PG_FUNCTION_ARGS)
@@ -323,13 +470,14 @@ idem_shard_configure(PG_FUNCTION_ARGS)
 	}
 	PreventCommandIfReadOnly("idem_shard_configure()");
 
-	/* wait for every transaction that passed a check */
-	LockRelationOid(relid, AccessExclusiveLock);
+	/* one reconfiguration at a time; no check takes a mode this conflicts with */
+	LockRelationOid(relid, ShareUpdateExclusiveLock);
 	values[0] = Int32GetDatum(partitions);
 	values[1] = idem_build_array(elems, NULL, n, INT4OID);
 	values[2] = PG_GETARG_DATUM(2);
 	nestlevel = idem_pin_search_path();
 	SPI_connect();
+	/* the statement trigger tells every backend: checks refuse from now on */
 	idem_spi_exec("INSERT INTO idempotency.shard_ownership (partitions, owned, frozen)"
 				  " VALUES ($1, COALESCE((SELECT pg_catalog.array_agg(p ORDER BY p)"
 				  " FROM pg_catalog.unnest($2) p), '{}'), $3)"
@@ -339,19 +487,31 @@ idem_shard_configure(PG_FUNCTION_ARGS)
 				  3, types, values, SPI_OK_INSERT);
 	SPI_finish();
 	AtEOXact_GUC(true, nestlevel);
+	idem_debug_wait("shard_configure");
+	wait_for_checks(relid);
 	PG_RETURN_VOID();
 }
 
-/* Statement trigger on idempotency.shard_ownership: drop every backend's cache. */
+/*
+ * Statement trigger on idempotency.shard_ownership: drop every backend's
+ * cache now (so that checks see the change in progress and refuse) and
+ * again when the change commits.
+ */
 Datum
 idem_shard_changed(PG_FUNCTION_ARGS)
 {
 	TriggerData *trigdata = (TriggerData *) fcinfo->context;
+	SharedInvalidationMessage msg;
 
 	if (!CALLED_AS_TRIGGER(fcinfo))
 		ereport(ERROR,
 				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
 				 errmsg("function \"shard_changed\" was not called by the trigger manager")));
 	CacheInvalidateRelcacheByRelid(RelationGetRelid(trigdata->tg_relation));
+	memset(&msg, 0, sizeof(msg));
+	msg.rc.id = SHAREDINVALRELCACHE_ID;
+	msg.rc.dbId = MyDatabaseId;
+	msg.rc.relId = RelationGetRelid(trigdata->tg_relation);
+	SendSharedInvalidMessages(&msg, 1);
 	PG_RETURN_POINTER(NULL);
 }

@@ -47,12 +47,21 @@ CREATE FUNCTION idem_claim_routed(routing_key text, key text, scope text DEFAULT
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_claim_routed' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
+-- A check that passes holds a lock on idempotency.shard_ownership to the
+-- end of its transaction, and a reconfiguration waits for those (up to
+-- lock_timeout): the check is granted to the handler roles that need it,
+-- not to PUBLIC.  idem_claim_routed() is open like idem_claim(): its check
+-- keeps the lock only once the claim succeeded, which takes INSERT on
+-- idempotency.claims.  Configuring is for the table's owner.
+REVOKE ALL ON FUNCTION idem_shard_assert(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_shard_configure(integer, integer[], boolean) FROM PUBLIC;
+
 COMMENT ON FUNCTION idem_shard_configure(integer, integer[], boolean) IS
     'set the hash partitions this database owns, out of partitions (a power of 2); frozen refuses routed calls';
 COMMENT ON FUNCTION idem_shard_partition(text, integer) IS
     'the partition PL/Proxy''s RUN ON hashtext(routing_key) picks: hashtext(routing_key) & (partitions - 1)';
 COMMENT ON FUNCTION idem_shard_assert(text) IS
-    'IK006 unless this database owns the routing key''s hash partition, IK007 while frozen';
+    'IK006 unless this database owns the routing key''s hash partition, IK007 while frozen or being reconfigured';
 COMMENT ON FUNCTION idem_claim_routed(text, text, text, jsonb) IS
     'idem_shard_assert(routing_key), then idem_claim(key, scope, payload)';
 
