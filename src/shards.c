@@ -3,7 +3,8 @@
  * shards.c
  *	  The shard ownership guard for scale-out with PL/Proxy: a database
  *	  knows which of N hash partitions it owns, and refuses routed calls
- *	  whose routing key hashes elsewhere.
+ *	  whose routing key hashes elsewhere.  Also the check of the routing
+ *	  expression that idem_shard_router_ddl() writes into router-side DDL.
  *
  * A router runs "RUN ON hashtext(<routing key>)", and PL/Proxy sends the
  * call to partition hashtext(key) & (N - 1).  Here the same number is
@@ -62,13 +63,20 @@
 #include "access/htup_details.h"
 #include "access/table.h"
 #include "access/tableam.h"
+#include "catalog/namespace.h"
 #include "catalog/pg_collation.h"
 #include "catalog/pg_type.h"
 #include "commands/dbcommands.h"
 #include "commands/trigger.h"
 #include "executor/spi.h"
+#include "funcapi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
+#include "nodes/nodeFuncs.h"
+#include "optimizer/optimizer.h"
+#include "parser/parse_expr.h"
+#include "parser/parse_node.h"
+#include "parser/parser.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "storage/proc.h"
@@ -88,6 +96,7 @@ PG_FUNCTION_INFO_V1(idem_shard_assert);
 PG_FUNCTION_INFO_V1(idem_claim_routed);
 PG_FUNCTION_INFO_V1(idem_shard_configure);
 PG_FUNCTION_INFO_V1(idem_shard_changed);
+PG_FUNCTION_INFO_V1(idem_shard_routing_check);
 
 /* PL/Proxy has no limit; this keeps the owned set small and messages short */
 #define IDEM_MAX_SHARD_PARTITIONS	65536
@@ -514,4 +523,310 @@ idem_shard_changed(PG_FUNCTION_ARGS)
 	msg.rc.relId = RelationGetRelid(trigdata->tg_relation);
 	SendSharedInvalidMessages(&msg, 1);
 	PG_RETURN_POINTER(NULL);
+}
+
+/*
+ * The routing expression of idem_shard_router_ddl().  The router's
+ * "RUN ON hashtext(<expr>);" is read by PL/Proxy's scanner, not
+ * PostgreSQL's: PL/Proxy copies the text into "select * from hashtext(...)",
+ * replacing each unquoted word that names an argument (compared without
+ * case) by $n.  The expression is accepted only where both readings agree:
+ * no control characters, backslashes (their meaning follows the router's
+ * standard_conforming_strings), semicolons, comments or dollar signs
+ * outside quoted text; exactly one value expression (parsed after
+ * "SELECT "), without subqueries, volatile or set-returning functions,
+ * aggregates or window functions; every word PL/Proxy would replace is a
+ * reference to that argument, and every argument reference such a word.
+ */
+#define ROUTING_PREFIX "SELECT "
+
+#define ROUTING_REFUSE(...) \
+	ereport(ERROR, \
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE), \
+			 errmsg("routing_expr must be a single expression of the handler's arguments"), \
+			 errdetail(__VA_ARGS__)))
+
+#define WORD_START(c) ((c) == '_' || ((c) >= 'a' && (c) <= 'z') || \
+					   ((c) >= 'A' && (c) <= 'Z') || (c) >= 0x80)
+#define WORD_CONT(c) (WORD_START(c) || ((c) >= '0' && (c) <= '9'))
+
+typedef struct RoutingCheck
+{
+	const unsigned char *expr;
+	int			len;
+	int			nargs;
+	char	  **names;
+	Oid		   *types;
+	int		   *word_len;		/* [len]: length of a PL/Proxy word starting there, 0 none */
+	int		   *ref_arg;		/* [len]: 1 + argument of a reference starting there, 0 none */
+	bool	   *used;			/* [nargs] */
+} RoutingCheck;
+
+/* The argument a word or name denotes for PL/Proxy: the first equal without case. */
+static int
+routing_arg(RoutingCheck *rc, const char *name, int len)
+{
+	for (int i = 0; i < rc->nargs; i++)
+		if (strlen(rc->names[i]) == (size_t) len && pg_strncasecmp(name, rc->names[i], len) == 0)
+			return i;
+	return -1;
+}
+
+/* The end of text quoted with s[i] (' or "), or of the string if unterminated. */
+static int
+routing_skip_quoted(const unsigned char *s, int len, int i)
+{
+	unsigned char q = s[i++];
+
+	while (i < len)
+	{
+		if (s[i] == q && (i + 1 >= len || s[i + 1] != q))
+			return i + 1;
+		i += (s[i] == q) ? 2 : 1;
+	}
+	return len;
+}
+
+/* The end of a PL/Proxy word at i: [_a-zA-Z\x80-\xff][_a-zA-Z0-9\x80-\xff]*, dotted parts too. */
+static int
+routing_word_end(const unsigned char *s, int len, int i)
+{
+	for (;;)
+	{
+		int			j;
+
+		while (i < len && WORD_CONT(s[i]))
+			i++;
+		for (j = i; j < len && s[j] == ' '; j++)
+			;
+		if (j >= len || s[j] != '.')
+			return i;
+		for (j++; j < len && s[j] == ' '; j++)
+			;
+		if (j >= len || !WORD_START(s[j]))
+			return i;
+		i = j;
+	}
+}
+
+/* Scan the text as PL/Proxy does, refusing what the two readings may differ on. */
+static void
+routing_scan(RoutingCheck *rc)
+{
+	const unsigned char *s = rc->expr;
+	int			i = 0;
+
+	for (int k = 0; k < rc->len; k++)
+	{
+		if (s[k] < 0x20 || s[k] == 0x7f)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("routing_expr must not contain control characters"),
+					 errdetail("Byte %d is 0x%02x; newlines, tabs and other characters below 0x20 and 0x7f are refused in text that reaches generated DDL.",
+							   k + 1, s[k])));
+		if (s[k] == '\\')
+			ROUTING_REFUSE("Backslashes are not allowed: what they mean in a string depends on standard_conforming_strings on the router.");
+	}
+	while (i < rc->len)
+	{
+		unsigned char c = s[i];
+
+		if (c == '\'' || c == '"')
+			i = routing_skip_quoted(s, rc->len, i);
+		else if ((c == 'E' || c == 'e') && i + 1 < rc->len && s[i + 1] == '\'')
+			i = routing_skip_quoted(s, rc->len, i + 1);
+		else if (c == ';')
+			ROUTING_REFUSE("Semicolons are not allowed outside quoted text.");
+		else if (c == '$')
+			ROUTING_REFUSE("Dollar signs are not allowed outside quoted text: refer to arguments by name, not as $n, and quote strings with '.");
+		else if ((c == '-' && i + 1 < rc->len && s[i + 1] == '-') ||
+				 (c == '/' && i + 1 < rc->len && s[i + 1] == '*'))
+			ROUTING_REFUSE("Comments are not allowed.");
+		else if (c >= '0' && c <= '9')
+		{
+			/* PL/Proxy's number: [0-9][.0-9]*; what follows starts a new word */
+			while (i < rc->len && ((s[i] >= '0' && s[i] <= '9') || s[i] == '.'))
+				i++;
+		}
+		else if (WORD_START(c))
+		{
+			int			end = routing_word_end(s, rc->len, i);
+
+			rc->word_len[i] = end - i;
+			i = end;
+		}
+		else
+			i++;
+	}
+}
+
+/* Raw tree: no subqueries; column references unqualified. */
+static bool
+routing_raw_walker(Node *node, void *context)
+{
+	if (node == NULL)
+		return false;
+	if (IsA(node, SubLink))
+		ROUTING_REFUSE("Subqueries (SELECT, TABLE, VALUES, WITH, EXISTS, ARRAY(SELECT ...)) are not allowed: the router evaluates the expression on every call.");
+	if (IsA(node, ColumnRef))
+	{
+		ColumnRef  *cref = (ColumnRef *) node;
+
+		if (list_length(cref->fields) != 1 || !IsA(linitial(cref->fields), String))
+			ROUTING_REFUSE("%s is not an argument: refer to arguments by their plain names, and to a field as (argument).field.",
+						   NameListToString(cref->fields));
+		return false;
+	}
+	return raw_expression_tree_walker(node, routing_raw_walker, context);
+}
+
+/* A column reference is an argument, written as PL/Proxy will replace it. */
+static Node *
+routing_columnref(ParseState *pstate, ColumnRef *cref)
+{
+	RoutingCheck *rc = (RoutingCheck *) pstate->p_ref_hook_state;
+	const char *name = strVal(linitial(cref->fields));
+	int			arg = routing_arg(rc, name, strlen(name));
+	int			at = cref->location - (int) strlen(ROUTING_PREFIX);
+	Param	   *param;
+
+	if (arg < 0)
+		return NULL;			/* not an argument: "column does not exist" */
+	if (at < 0 || at >= rc->len || rc->word_len[at] == 0 ||
+		routing_arg(rc, (const char *) rc->expr + at, rc->word_len[at]) != arg)
+		ROUTING_REFUSE("Argument %s is written quoted or altered there; PL/Proxy replaces only the argument's plain name.",
+					   quote_identifier(rc->names[arg]));
+	rc->ref_arg[at] = arg + 1;
+	rc->used[arg] = true;
+	param = makeNode(Param);
+	param->paramkind = PARAM_EXTERN;
+	param->paramid = arg + 1;
+	param->paramtype = rc->types[arg];
+	param->paramtypmod = -1;
+	param->paramcollid = get_typcollation(rc->types[arg]);
+	param->location = cref->location;
+	return (Node *) param;
+}
+
+/* The single value expression of the parsed "SELECT <expr>". */
+static Node *
+routing_value(RoutingCheck *rc, List *raw)
+{
+	SelectStmt *sel;
+	ResTarget  *rt;
+	int			first = 0;
+
+	if (list_length(raw) != 1 || !IsA(linitial_node(RawStmt, raw)->stmt, SelectStmt))
+		ROUTING_REFUSE("It is not one expression.");
+	sel = (SelectStmt *) linitial_node(RawStmt, raw)->stmt;
+	if (sel->op != SETOP_NONE || sel->distinctClause || sel->intoClause || sel->fromClause ||
+		sel->whereClause || sel->groupClause || sel->havingClause || sel->windowClause ||
+		sel->valuesLists || sel->sortClause || sel->limitOffset || sel->limitCount ||
+		sel->lockingClause || sel->withClause || list_length(sel->targetList) != 1)
+		ROUTING_REFUSE("It must be one value, with no FROM, WHERE, ORDER BY or other clause of a query, and no second value.");
+	rt = linitial_node(ResTarget, sel->targetList);
+	while (first < rc->len && rc->expr[first] == ' ')
+		first++;
+	if (rt->name != NULL || rt->indirection != NIL ||
+		rt->location - (int) strlen(ROUTING_PREFIX) != first)
+		ROUTING_REFUSE("It must be one value, with no alias and nothing before it.");
+	if (IsA(rt->val, ColumnRef) && IsA(llast(((ColumnRef *) rt->val)->fields), A_Star))
+		ROUTING_REFUSE("* is not an expression.");
+	return rt->val;
+}
+
+/*
+ * idempotency.shard_routing_check(routing_expr text, names text[],
+ * types regtype[], OUT args integer[], OUT type regtype): check the
+ * routing expression over the handler's input arguments (names, and the
+ * types the expression sees), and return the arguments it uses (1-based,
+ * in order) and its type.  22023 for what the router must not get; a
+ * syntax or name error as the parser raises it.
+ */
+Datum
+idem_shard_routing_check(PG_FUNCTION_ARGS)
+{
+	RoutingCheck rc;
+	Datum	   *name_elems;
+	Datum	   *type_elems;
+	bool	   *nulls;
+	int			ntypes;
+	char	   *sql;
+	Node	   *raw_value;
+	ParseState *pstate;
+	Node	   *value;
+	Datum	   *used;
+	int			nused = 0;
+	TupleDesc	tupdesc;
+	Datum		result[2];
+	bool		result_nulls[2] = {false, false};
+
+	if (PG_ARGISNULL(0) || PG_ARGISNULL(1) || PG_ARGISNULL(2))
+		idem_null_argument(PG_ARGISNULL(0) ? "routing_expr" : PG_ARGISNULL(1) ? "names" : "types");
+	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	rc.expr = (const unsigned char *) text_to_cstring(PG_GETARG_TEXT_PP(0));
+	rc.len = strlen((const char *) rc.expr);
+	deconstruct_array(PG_GETARG_ARRAYTYPE_P(1), TEXTOID, -1, false, TYPALIGN_INT,
+					  &name_elems, &nulls, &rc.nargs);
+	deconstruct_array(PG_GETARG_ARRAYTYPE_P(2), REGTYPEOID, sizeof(Oid), true, TYPALIGN_INT,
+					  &type_elems, NULL, &ntypes);
+	if (ntypes != rc.nargs)
+		elog(ERROR, "names and types differ in length");
+	rc.names = palloc(sizeof(char *) * Max(rc.nargs, 1));
+	rc.types = palloc(sizeof(Oid) * Max(rc.nargs, 1));
+	for (int i = 0; i < rc.nargs; i++)
+	{
+		if (nulls[i])
+			elog(ERROR, "an argument name is null");
+		rc.names[i] = TextDatumGetCString(name_elems[i]);
+		rc.types[i] = DatumGetObjectId(type_elems[i]);
+	}
+	rc.word_len = palloc0(sizeof(int) * (rc.len + 1));
+	rc.ref_arg = palloc0(sizeof(int) * (rc.len + 1));
+	rc.used = palloc0(sizeof(bool) * Max(rc.nargs, 1));
+
+	routing_scan(&rc);
+	sql = psprintf(ROUTING_PREFIX "%s", (const char *) rc.expr);
+	raw_value = routing_value(&rc, raw_parser(sql, RAW_PARSE_DEFAULT));
+	(void) routing_raw_walker(raw_value, NULL);
+
+	pstate = make_parsestate(NULL);
+	pstate->p_sourcetext = sql;
+	pstate->p_pre_columnref_hook = routing_columnref;
+	pstate->p_ref_hook_state = &rc;
+	value = transformExpr(pstate, raw_value, EXPR_KIND_OTHER);
+	if (pstate->p_hasAggs || pstate->p_hasWindowFuncs)
+		ROUTING_REFUSE("Aggregate and window functions are not allowed.");
+	if (expression_returns_set(value))
+		ROUTING_REFUSE("Set-returning functions are not allowed: the router needs one value per call.");
+	if (contain_volatile_functions(value))
+		ROUTING_REFUSE("Volatile functions are not allowed: the router computes the expression on each call, and the shard checks the routing key its handler computes.");
+	free_parsestate(pstate);
+
+	/* every word PL/Proxy replaces by an argument is a reference to it */
+	for (int i = 0; i < rc.len; i++)
+	{
+		int			arg;
+
+		if (rc.word_len[i] == 0)
+			continue;
+		arg = routing_arg(&rc, (const char *) rc.expr + i, rc.word_len[i]);
+		if (arg >= 0 && rc.ref_arg[i] != arg + 1)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("routing_expr uses the name of argument %s for something else",
+							quote_identifier(rc.names[arg])),
+					 errdetail("At byte %d it names a function, type, field or keyword, but PL/Proxy replaces every unquoted %.*s by the argument.",
+							   i + 1, rc.word_len[i], (const char *) rc.expr + i),
+					 errhint("Rename the argument, or write the expression without that word.")));
+	}
+
+	used = palloc(sizeof(Datum) * Max(rc.nargs, 1));
+	for (int i = 0; i < rc.nargs; i++)
+		if (rc.used[i])
+			used[nused++] = Int32GetDatum(i + 1);
+	result[0] = PointerGetDatum(construct_array(used, nused, INT4OID, sizeof(int32), true, TYPALIGN_INT));
+	result[1] = ObjectIdGetDatum(exprType(value));
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(BlessTupleDesc(tupdesc), result, result_nulls)));
 }
