@@ -5,7 +5,13 @@
 -- call whose account this database does not own (IK006) before claiming.
 --
 -- Used by examples/scale-out/run, test/tap/070_plproxy.pl and
--- test/bench/plproxy.sh.
+-- test/bench/plproxy.sh, which run it as a superuser.  Any other role the
+-- handlers run as (the router's connection strings name it, or PL/Proxy
+-- connects as the calling user) needs USAGE on schema idempotency and
+-- INSERT, SELECT on idempotency.claims (idem_claim_routed claims as
+-- idem_claim does), and EXECUTE on idem_shard_assert(text) if a handler
+-- calls the check by itself; idem_shard_configure() is for the owner of
+-- idempotency.shard_ownership.
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
 CREATE TABLE accounts (

@@ -47,14 +47,77 @@ CREATE FUNCTION idem_claim_routed(routing_key text, key text, scope text DEFAULT
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_claim_routed' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
+-- A check that passes holds a lock on idempotency.shard_ownership to the
+-- end of its transaction, and a reconfiguration waits for those (up to
+-- lock_timeout): the check is granted to the handler roles that need it,
+-- not to PUBLIC.  idem_claim_routed() is open like idem_claim(): its check
+-- keeps the lock only once the claim succeeded, which takes INSERT on
+-- idempotency.claims.  Configuring is for the table's owner.
+REVOKE ALL ON FUNCTION idem_shard_assert(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_shard_configure(integer, integer[], boolean) FROM PUBLIC;
+
 COMMENT ON FUNCTION idem_shard_configure(integer, integer[], boolean) IS
     'set the hash partitions this database owns, out of partitions (a power of 2); frozen refuses routed calls';
 COMMENT ON FUNCTION idem_shard_partition(text, integer) IS
     'the partition PL/Proxy''s RUN ON hashtext(routing_key) picks: hashtext(routing_key) & (partitions - 1)';
 COMMENT ON FUNCTION idem_shard_assert(text) IS
-    'IK006 unless this database owns the routing key''s hash partition, IK007 while frozen';
+    'IK006 unless this database owns the routing key''s hash partition, IK007 while frozen or being reconfigured';
 COMMENT ON FUNCTION idem_claim_routed(text, text, text, jsonb) IS
     'idem_shard_assert(routing_key), then idem_claim(key, scope, payload)';
+
+-- What the generators below put into router-side DDL.  Text that a lesser
+-- role may have chosen (the names of a handler, of its schema, arguments
+-- and types, a cluster) goes there only as a quoted identifier or literal,
+-- never in a comment, and never with a control character.
+CREATE FUNCTION idempotency.shard_ddl_text(what text, value text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE
+    SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF value ~ E'[\\x01-\\x1f\\x7f]' THEN
+        RAISE EXCEPTION '% contains a control character', what
+              USING ERRCODE = 'invalid_parameter_value',
+                    DETAIL = 'Newlines, tabs and other characters below 0x20 and 0x7f are refused in text that reaches generated DDL.';
+    END IF;
+    RETURN value;
+END
+$fn$;
+REVOKE ALL ON FUNCTION idempotency.shard_ddl_text(text, text) FROM PUBLIC;
+
+-- A PL/Proxy body (ending in a newline) quoted with a dollar tag that does
+-- not occur in it: $plproxy$, or $plproxy_1$, ...
+CREATE FUNCTION idempotency.shard_dollar_quoted(body text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE STRICT
+    SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    tag text := '$plproxy$';
+    n   integer := 0;
+BEGIN
+    WHILE strpos(body, tag) > 0 LOOP
+        n := n + 1;
+        tag := format('$plproxy_%s$', n);
+    END LOOP;
+    RETURN tag || E'\n' || body || tag;
+END
+$fn$;
+REVOKE ALL ON FUNCTION idempotency.shard_dollar_quoted(text) FROM PUBLIC;
+
+-- The CLUSTER statement of a PL/Proxy body: the name as a standard string
+-- literal, the only form PL/Proxy reads (whatever standard_conforming_strings).
+CREATE FUNCTION idempotency.shard_cluster_statement(cluster text) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT
+    SET search_path = pg_catalog, pg_temp
+    RETURN E'    CLUSTER ''' || replace(idempotency.shard_ddl_text('cluster', cluster), '''', '''''') || E''';\n';
+REVOKE ALL ON FUNCTION idempotency.shard_cluster_statement(text) FROM PUBLIC;
+
+-- The routing expression, checked on its parse tree as PostgreSQL and
+-- PL/Proxy will read it on the router (src/shards.c): the input arguments
+-- it uses (1-based positions in names) and its type.
+CREATE FUNCTION idempotency.shard_routing_check(routing_expr text, names text[], types regtype[],
+                                                OUT args integer[], OUT type regtype)
+    AS 'MODULE_PATHNAME', 'idem_shard_routing_check' LANGUAGE C STABLE;
+REVOKE ALL ON FUNCTION idempotency.shard_routing_check(text, text[], regtype[]) FROM PUBLIC;
 
 -- The router-side proxy of a shard-side handler.  Owner-only (it writes
 -- DDL that a DBA runs on the router); search_path is pinned, so every name
@@ -68,15 +131,13 @@ AS $fn$
 DECLARE
     f           pg_proc;
     a           record;
-    cols        text[] := '{}';
-    split_used  boolean := false;
-    uses_arg    boolean := false;
-    refers      boolean;
-    in_names    text[] := '{}';
-    rtype       regtype;
     nsp         name;
+    in_names    text[] := '{}';
+    in_types    regtype[] := '{}';
+    in_arrays   boolean[] := '{}';
+    checked     record;
     msg         text;
-    ddl     text;
+    ddl         text;
 BEGIN
     IF handler IS NULL OR routing_expr IS NULL OR cluster IS NULL THEN
         RAISE EXCEPTION '% must not be null',
@@ -87,12 +148,14 @@ BEGIN
         RAISE EXCEPTION '% must not be empty', CASE WHEN cluster = '' THEN 'cluster' ELSE 'routing_expr' END
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF routing_expr ~ '(;|--|/\*|\$plproxy\$)' OR routing_expr ~* '\mselect\M' THEN
-        RAISE EXCEPTION 'routing_expr must be a single expression of the handler''s arguments'
-              USING ERRCODE = 'invalid_parameter_value',
-                    DETAIL = 'Semicolons, comments and subqueries are not allowed.';
-    END IF;
     SELECT * INTO f FROM pg_proc WHERE oid = handler;
+    SELECT n.nspname INTO nsp FROM pg_namespace n WHERE n.oid = f.pronamespace;
+    -- the handler's names reach the DDL: refused with a control character
+    -- (the messages do not repeat such a name)
+    PERFORM idempotency.shard_ddl_text('the schema name of the handler', nsp),
+            idempotency.shard_ddl_text('the name of the handler', f.proname),
+            idempotency.shard_ddl_text('an argument of the handler', pg_get_function_arguments(handler)),
+            idempotency.shard_ddl_text('the result of the handler', pg_get_function_result(handler));
     IF f.prokind <> 'f' THEN
         RAISE EXCEPTION '% is not a plain function', handler
               USING ERRCODE = 'invalid_parameter_value',
@@ -141,86 +204,85 @@ BEGIN
                   USING ERRCODE = 'invalid_parameter_value',
                         DETAIL = 'The routing expression and PL/Proxy refer to arguments by name.';
         END IF;
-        in_names := in_names || a.name::text;
-        refers := routing_expr ~* ('(^|[^[:alnum:]_$."])'
-                                   || regexp_replace(a.name, '([^[:alnum:]_])', '\\\1', 'g')
-                                   || '($|[^[:alnum:]_$"])');
-        uses_arg := uses_arg OR refers;
-        IF a.name = ANY (split) THEN
-            IF a.typsubscript <> 'array_subscript_handler'::regproc THEN
-                RAISE EXCEPTION 'split argument % of % is not an array', a.name, handler
-                      USING ERRCODE = 'invalid_parameter_value';
-            END IF;
-            split_used := split_used OR refers;
-            cols := cols || format('NULL::%s AS %I', format_type(a.typelem, NULL), a.name);
-        ELSE
-            IF refers AND a.typsubscript = 'array_subscript_handler'::regproc THEN
-                RAISE EXCEPTION 'routing_expr uses array argument % of % without splitting it', a.name, handler
-                      USING ERRCODE = 'invalid_parameter_value',
-                            DETAIL = 'The whole batch would go to the partition of one hash, whatever its elements.',
-                            HINT = format('Name it in split, e.g. split => ARRAY[%L], so that each element goes to its own partition.', a.name);
-            END IF;
-            cols := cols || format('NULL::%s AS %I', format_type(a.argtype, NULL), a.name);
+        IF a.name = ANY (split) AND a.typsubscript <> 'array_subscript_handler'::regproc THEN
+            RAISE EXCEPTION 'split argument % of % is not an array', a.name, handler
+                  USING ERRCODE = 'invalid_parameter_value';
         END IF;
+        in_names := in_names || a.name::text;
+        in_types := in_types || CASE WHEN a.name = ANY (split) THEN a.typelem ELSE a.argtype END::regtype;
+        in_arrays := in_arrays || (a.typsubscript = 'array_subscript_handler'::regproc AND a.name <> ALL (coalesce(split, '{}')));
     END LOOP;
     IF split IS NOT NULL AND NOT split <@ in_names THEN
         RAISE EXCEPTION 'split names %, which is not an argument of %',
               (SELECT s FROM unnest(split) s WHERE s <> ALL (in_names) LIMIT 1), handler
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF NOT uses_arg THEN
+
+    -- parse and type the expression over the arguments, as the router will
+    -- (without running it); its own refusals keep their message
+    BEGIN
+        SELECT * INTO checked FROM idempotency.shard_routing_check(routing_expr, in_names, in_types);
+    EXCEPTION
+        WHEN invalid_parameter_value THEN
+            RAISE;
+        WHEN OTHERS THEN
+            GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
+            RAISE EXCEPTION 'routing_expr is not an expression of the arguments of %', handler
+                  USING ERRCODE = 'invalid_parameter_value', DETAIL = msg;
+    END;
+    IF cardinality(checked.args) = 0 THEN
         RAISE EXCEPTION 'routing_expr uses no argument of %', handler
               USING ERRCODE = 'invalid_parameter_value',
                     DETAIL = 'Every call would go to the same partition.';
     END IF;
-    IF split IS NOT NULL AND NOT split_used THEN
+    FOR i IN 1 .. cardinality(checked.args) LOOP
+        IF in_arrays[checked.args[i]] THEN
+            RAISE EXCEPTION 'routing_expr uses array argument % of % without splitting it', in_names[checked.args[i]], handler
+                  USING ERRCODE = 'invalid_parameter_value',
+                        DETAIL = 'The whole batch would go to the partition of one hash, whatever its elements.',
+                        HINT = format('Name it in split, e.g. split => ARRAY[%L], so that each element goes to its own partition.',
+                                      in_names[checked.args[i]]);
+        END IF;
+    END LOOP;
+    IF split IS NOT NULL AND NOT EXISTS (SELECT FROM unnest(checked.args) u(i) WHERE in_names[u.i] = ANY (split)) THEN
         RAISE EXCEPTION 'routing_expr uses none of the split arguments'
               USING ERRCODE = 'invalid_parameter_value',
                     DETAIL = 'With SPLIT each element is routed by itself, so the routing expression must use one.';
     END IF;
-
-    -- parse and type the expression over the arguments, without running it:
-    -- a temporary view of it, dropped at once
-    BEGIN
-        EXECUTE format('CREATE TEMPORARY VIEW idem_shard_route_check AS SELECT (%s) AS r FROM (SELECT %s) AS args',
-                       routing_expr, array_to_string(cols, ', '));
-    EXCEPTION WHEN OTHERS THEN
-        GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
-        RAISE EXCEPTION 'routing_expr is not an expression of the arguments of %', handler
-              USING ERRCODE = 'invalid_parameter_value', DETAIL = msg;
-    END;
-    SELECT t.atttypid INTO rtype FROM pg_attribute t
-     WHERE t.attrelid = 'pg_temp.idem_shard_route_check'::regclass AND t.attnum = 1;
-    DROP VIEW pg_temp.idem_shard_route_check;
-    IF rtype <> 'text'::regtype THEN
-        RAISE EXCEPTION 'routing_expr is of type %, not text', rtype
+    IF checked.type <> 'text'::regtype THEN
+        RAISE EXCEPTION 'routing_expr is of type %, not text', checked.type
               USING ERRCODE = 'invalid_parameter_value',
                     HINT = 'Cast it, e.g. account_id::text, and pass the same text to idem_claim_routed() on the shard.';
     END IF;
 
-    ddl := format(E'-- router-side proxy of %s, generated on database %I by idem_shard_router_ddl()\n',
-                  handler, current_database());
-    SELECT n.nspname INTO nsp FROM pg_namespace n WHERE n.oid = f.pronamespace;
+    -- no names in the comment; the body in a dollar quote it cannot end;
+    -- a split argument by its plain name where PL/Proxy reads that as the
+    -- argument (a lower-case word, no PL/Proxy keyword, no other argument
+    -- equal to it but for case), by position ($n) otherwise
+    ddl := E'-- router-side proxy, generated by idem_shard_router_ddl()\n';
     IF nsp <> 'public' THEN
         ddl := ddl || format(E'CREATE SCHEMA IF NOT EXISTS %I;\n', nsp);
     END IF;
     RETURN ddl || format(E'CREATE OR REPLACE FUNCTION %I.%I(%s)\n'
                          '    RETURNS %s\n'
                          '    LANGUAGE plproxy\n'
-                         'AS $plproxy$\n'
-                         '    CLUSTER %L;\n'
-                         '%s'
-                         '    RUN ON hashtext(%s);\n'
-                         '$plproxy$;\n',
+                         'AS %s;\n',
                          nsp, f.proname,
                          pg_get_function_arguments(handler), pg_get_function_result(handler),
-                         cluster,
-                         CASE WHEN split IS NULL THEN ''
-                              ELSE format(E'    SPLIT %s;\n',
-                                          (SELECT string_agg(quote_ident(s), ', ' ORDER BY o)
-                                             FROM unnest(split) WITH ORDINALITY AS u(s, o)))
-                         END,
-                         routing_expr);
+                         idempotency.shard_dollar_quoted(
+                             idempotency.shard_cluster_statement(cluster)
+                             || CASE WHEN split IS NULL THEN ''
+                                     ELSE format(E'    SPLIT %s;\n',
+                                                 (SELECT string_agg(
+                                                             CASE WHEN s ~ '^[a-z_][a-z0-9_]*$'
+                                                                       AND s <> ALL ('{cluster,connect,run,on,all,any,split,target,select}')
+                                                                       AND (SELECT count(*) FROM unnest(in_names) n WHERE lower(n) = s) = 1
+                                                                  THEN s
+                                                                  ELSE '$' || array_position(in_names, s)
+                                                             END, ', ' ORDER BY o)
+                                                    FROM unnest(split) WITH ORDINALITY AS u(s, o)))
+                                END
+                             || format(E'    RUN ON hashtext(%s);\n', routing_expr)));
 END
 $fn$;
 REVOKE ALL ON FUNCTION idem_shard_router_ddl(regprocedure, text, text, text[]) FROM PUBLIC;
@@ -249,6 +311,8 @@ BEGIN
         RAISE EXCEPTION '% must not be empty', CASE WHEN cluster = '' THEN 'cluster' ELSE 'schema' END
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM idempotency.shard_ddl_text('schema', schema),
+            idempotency.shard_ddl_text('the schema name of extension idempotency', ext);
     -- name(arguments), result, query on each shard
     proxies := ARRAY[
         ARRAY['ownership()',
@@ -280,18 +344,16 @@ BEGIN
                      ' st.invalid_transitions::bigint AS invalid_transitions,'
                      ' st.outbox_pending::bigint AS outbox_pending, st.outbox_dead::bigint AS outbox_dead,'
                      ' st.last_claim_at, st.last_duplicate_at FROM idempotency.stats AS st', owned)]];
-    ddl := format(E'-- router-side admin proxies (RUN ON ALL), generated on database %I by idem_shard_router_admin_ddl()\n'
-                  'CREATE SCHEMA IF NOT EXISTS %I;\n', current_database(), schema);
+    ddl := format(E'-- router-side admin proxies (RUN ON ALL), generated by idem_shard_router_admin_ddl()\n'
+                  'CREATE SCHEMA IF NOT EXISTS %I;\n', schema);
     FOR i IN 1 .. array_length(proxies, 1) LOOP
         ddl := ddl || format(E'CREATE OR REPLACE FUNCTION %I.%s\n'
                              '    RETURNS %s\n'
                              '    LANGUAGE plproxy\n'
-                             'AS $plproxy$\n'
-                             '    CLUSTER %L;\n'
-                             '    RUN ON ALL;\n'
-                             '    %s;\n'
-                             '$plproxy$;\n',
-                             schema, proxies[i][1], proxies[i][2], cluster, proxies[i][3]);
+                             'AS %s;\n',
+                             schema, proxies[i][1], proxies[i][2],
+                             idempotency.shard_dollar_quoted(idempotency.shard_cluster_statement(cluster)
+                                                             || format(E'    RUN ON ALL;\n    %s;\n', proxies[i][3])));
     END LOOP;
     RETURN ddl;
 END

@@ -12,7 +12,12 @@
 #      write freeze (IK007) while clients deliver, the ownership record
 #      travelling with the claims; the old copy gives its partition up;
 #      then everything is redelivered;
-#   5. the outbox of each shard is relayed: one follow-up event per effect.
+#   5. the outbox of each shard is relayed: one follow-up event per effect;
+#   6. names and text chosen on a shard reach the router only quoted: a
+#      shard database whose name ends a comment, a handler and a cluster
+#      with $plproxy$ and quotes in their names, a routing key whose literal
+#      holds ;, -- and $plproxy$: the printed DDL is applied as printed,
+#      runs no other statement, and routes every call right.
 # Skipped when PL/Proxy is not installed (test/run-tests installs
 # postgresql-15-plproxy when run as root).
 use strict;
@@ -275,5 +280,50 @@ is($dup_relayed // 0, 0, '... none twice');
 is($node->safe_psql('shard_a', q{SELECT count(*) FROM idem_outbox_claim(100, '1 minute')})
 	  + $node->safe_psql('shard_b2', q{SELECT count(*) FROM idem_outbox_claim(100, '1 minute')}),
 	0, 'nothing left to relay');
+
+# ---- 6. hostile names: the printed DDL is applied as printed ----
+# a shard database whose name would end the comment the DDL used to start with
+my $evil_db = "shard_x\nCREATE ROLE idem_evil_db SUPERUSER;\n--";
+$node->safe_psql('postgres', qq{CREATE DATABASE "$evil_db"});
+$node->safe_psql($evil_db, $shard_sql);
+my $evil_ddl = $node->safe_psql($evil_db, q{
+	SELECT idem_shard_router_ddl('apply_payment(bigint, text, integer)', 'account_id::text')
+	    || idem_shard_router_admin_ddl()});
+unlike($evil_ddl, qr/shard_x|evil/, 'the database name is nowhere in the printed DDL');
+$node->safe_psql('router', $evil_ddl);
+# a handler with $plproxy$ and quotes in its name, a mixed-case split
+# argument, a cluster named with $plproxy$, and a routing key whose literal
+# holds ; -- and $plproxy$ (the handler passes the same text)
+my $hostile_sql = q{
+	CREATE FUNCTION "pay$plproxy$""'"(account_ids bigint[], "eventIds" text[])
+	    RETURNS SETOF text LANGUAGE plpgsql AS $$
+	BEGIN
+	    FOR i IN 1 .. cardinality("eventIds") LOOP
+	        IF idem_claim_routed(account_ids[i]::text || ';--$plproxy$', "eventIds"[i], 'hostile') THEN
+	            RETURN NEXT "eventIds"[i];
+	        END IF;
+	    END LOOP;
+	END $$;
+};
+$node->safe_psql($_, $hostile_sql) for qw(shard_a shard_b2);
+my $hostile_ddl = $node->safe_psql('shard_a', q{
+	SELECT idem_shard_router_ddl('"pay$plproxy$""''"(bigint[], text[])', 'account_ids::text || '';--$plproxy$''',
+	                             cluster => 'idem$plproxy$', split => '{account_ids, eventIds}')});
+like($hostile_ddl, qr/^AS \$plproxy_1\$$/m, 'the body is quoted with a tag it does not contain');
+like($hostile_ddl, qr/^    SPLIT account_ids, \$2;$/m, 'the mixed-case split argument goes by position');
+$node->safe_psql('router', sprintf(q{
+	CREATE SERVER "idem$plproxy$" FOREIGN DATA WRAPPER plproxy OPTIONS (p0 '%s', p1 '%s');
+	CREATE USER MAPPING FOR PUBLIC SERVER "idem$plproxy$";
+	%s}, connstr('shard_a'), connstr('shard_b2'), $hostile_ddl));
+is($node->safe_psql('router', q{SELECT count(*) FROM pg_roles WHERE rolname LIKE 'idem\_evil%'}),
+	'0', 'applying the printed DDL ran no other statement');
+my $batch_call = sprintf(q{SELECT count(*) FROM "pay$plproxy$""'"('{%s}', '{%s}')},
+	join(',', map { ($_, $_) } (1 .. 20)), join(',', map { ("h-$_-1", "h-$_-2") } (1 .. 20)));
+is($node->safe_psql('router', $batch_call), '40',
+	'40 events of 20 accounts split through the hostile proxy: all applied, none misrouted');
+is($node->safe_psql('router', $batch_call), '0', '... and redelivered: none again');
+is($node->safe_psql('shard_a', q{SELECT count(*) FROM idempotency.claims WHERE scope = 'hostile'})
+	  + $node->safe_psql('shard_b2', q{SELECT count(*) FROM idempotency.claims WHERE scope = 'hostile'}),
+	40, 'each claimed once, on the shard that owns its routing key');
 
 done_testing();
