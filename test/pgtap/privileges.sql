@@ -79,8 +79,6 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_request_complete(text,text,jsonb,integer,integer)',
                 'idem_request_extend(text,text,integer,interval)',
                 'idem_request_fence(text,text,integer)',
-                'idem_shard_assert(text)',
-                'idem_shard_configure(integer,integer[],boolean)',
                 'idem_shard_partition(text,integer)',
                 'idem_transition(regclass,anyelement,text)',
                 'idem_unguard(regclass)',
