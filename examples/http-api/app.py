@@ -63,7 +63,7 @@ class HTTPError(Exception):
 
 
 def db_error_to_http(e):
-    """SQLSTATE -> HTTP, as the README's error table says."""
+    """SQLSTATE -> HTTP, as the error table of doc/reference.md says."""
     code, detail = e.pgcode, (e.diag.message_detail or "")
     if code in ("22004", "22023", "22001"):
         return HTTPError(400, e.diag.message_primary)
