@@ -662,7 +662,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 			oldest_open = &set->parts[i];
 	if (which != PROBE_OPEN)
 		for (int i = 0; i < set->nparts; i++)
-			if (set->parts[i].sealed)
+			if (set->parts[i].sealed && !idem_partition_expired(set, &set->parts[i], now))
 				idem_filter_prefetch(&set->parts[i], ck->hash);
 	for (int i = 0; i < set->nparts; i++)
 	{
