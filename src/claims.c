@@ -29,19 +29,20 @@
  * value lock (we release it first), so value locks never join a deadlock
  * cycle.  A row inserted under the value lock stays the marker until its
  * transaction ends; others wait on that transaction, not on the value lock.
- * Partitions are locked AccessShareLock for probes and RowExclusiveLock for
- * the insert, held to transaction end as usual.  The insert re-reads the
- * partition list after taking RowExclusiveLock, still under the value lock,
- * and chooses again if it changed.  Maintenance seals a partition at once
- * only under ShareLock, so a seal that committed before we got our lock is
- * seen there; a partition someone holds RowExclusiveLock on (a transaction
- * that claimed there and is still open, say) it closes first, and seals a
- * round later, once every value lock held after the close could be seen has
- * been released -- so a claim that did not see the close is in the table
- * before the seal's scan, which includes claims still in progress
- * (filters.c).  Closed partitions take no claims, and are probed as open
- * ones until they are sealed.  Batches claim keys in sorted order, so two
- * batches never wait on each other in a cycle.
+ * Partitions are locked AccessShareLock for probes, until the call ends (it
+ * keeps nothing of them), and RowExclusiveLock for the insert, held to
+ * transaction end as usual.  The insert re-reads the partition list after
+ * taking RowExclusiveLock, still under the value lock, and chooses again if
+ * it changed.  Maintenance seals a partition at once only under ShareLock,
+ * so a seal that committed before we got our lock is seen there; a
+ * partition someone holds RowExclusiveLock on (a transaction that claimed
+ * there and is still open, say) it closes first, and seals a round later,
+ * once every value lock held after the close could be seen has been
+ * released -- so a claim that did not see the close is in the table before
+ * the seal's scan, which includes claims still in progress (filters.c).
+ * Closed partitions take no claims, and are probed as open ones until they
+ * are sealed.  Batches claim keys in sorted order, so two batches never
+ * wait on each other in a cycle.
  *
  * Claims go straight into the heap and indexes of a partition: row-level
  * security, rules and triggers on the partitions are not applied (the parent
@@ -500,13 +501,19 @@ claim_call_init(ClaimCall *call, bool batch)
 	call->parts = palloc(sizeof(OpenPart) * call->maxparts);
 }
 
-/* Close what the call opened (locks stay until the transaction ends). */
+/*
+ * Close what the call opened.  The locks of a partition it inserted into
+ * stay until the transaction ends; those it only probed go now: the call
+ * keeps nothing of such a partition, and a transaction that claims now and
+ * then must not keep maintenance from dropping it once it has expired.
+ */
 static void
 claim_call_close(ClaimCall *call)
 {
 	for (int i = 0; i < call->nparts; i++)
 	{
 		OpenPart   *op = &call->parts[i];
+		LOCKMODE	release = op->mode == AccessShareLock ? AccessShareLock : NoLock;
 
 		if (op->scan != NULL)
 			index_endscan(op->scan);
@@ -514,8 +521,8 @@ claim_call_close(ClaimCall *call)
 			ExecDropSingleTupleTableSlot(op->slot);
 		idem_close_insert_indexes(&op->ins);
 		if (op->index != NULL)
-			index_close(op->index, NoLock);
-		relation_close(op->heap, NoLock);
+			index_close(op->index, release);
+		relation_close(op->heap, release);
 	}
 	call->nparts = 0;
 }
