@@ -7,10 +7,12 @@
 # BEGINs, claims a key every 3 seconds and does not commit during the run
 # (it keeps RowExclusiveLock on every partition it claimed in).  Rounds are
 # interleaved, the baseline first in odd rounds and second in even ones
-# (bench_pair); pgbench -M prepared, synchronous_commit = off.  Prints per
-# round the tps of both and, at the end of the run beside the long session,
-# the claims partitions by state (those not yet sealed are what every claim
-# probes), then the ratio of the medians.  Target: >= 0.8x; the script
+# (as bench_pair does); pgbench -M prepared, synchronous_commit = off.
+# Prints per round the tps of both, the CPU time the claiming backends spent
+# per transaction (from /proc: much less disturbed than tps by other load on
+# the machine) and, at the end of the run beside the long session, the
+# claims partitions by state (those not yet sealed are what every claim
+# probes); then the ratios of the medians.  Target: tps >= 0.8x; the script
 # exits non-zero below it.
 #
 # Connection from PGHOST/PGPORT/PGDATABASE/PGUSER (test/bench/run sets them).
@@ -52,11 +54,42 @@ states() {
                                 WHERE store = 'claims' GROUP BY state) s"
 }
 
-base() { bench_tps claims_new_idem.sql; }
+# the CPU clock ticks the processes have used
+cpu_ticks() {
+    local p f s=0
+    for p in "$@"; do
+        read -r -a f <"/proc/$p/stat" || continue
+        s=$((s + f[13] + f[14]))
+    done
+    echo "$s"
+}
+commits() { psql -X -At -c "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"; }
+
+# one pgbench run as bench_tps makes it; prints its tps and the CPU
+# microseconds its backends used per transaction (between 2 s after the
+# start and 2 s before the end)
+measured() {
+    local pg pids t0 x0 t1 x1 tps
+    PGOPTIONS="${PGOPTIONS:-} -c synchronous_commit=off" pgbench -n -M prepared \
+        -c "$CLIENTS" -j "$CLIENTS" -T "$SECS" -f "$bench_dir/claims_new_idem.sql" >"$tmp/pgbench.out" 2>&1 &
+    pg=$!
+    sleep 2
+    pids=$(psql -X -At -c "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity
+                            WHERE application_name = 'pgbench' AND datname = current_database()")
+    t0=$(cpu_ticks $pids) x0=$(commits)
+    sleep $((SECS - 4))
+    t1=$(cpu_ticks $pids) x1=$(commits)
+    wait "$pg" || { cat "$tmp/pgbench.out" >&2; echo "pgbench failed" >&2; return 1; }
+    tps=$(sed -n 's/^tps = \([0-9.]*\) .*/\1/p' "$tmp/pgbench.out" | head -n 1)
+    awk -v tps="$tps" -v t=$((t1 - t0)) -v x=$((x1 - x0)) -v hz="$(getconf CLK_TCK)" \
+        'BEGIN { printf "%s %.1f\n", tps, t / hz * 1e6 / x }'
+}
+
+base() { measured; }
 
 # a run beside the long session; the states at its end go to $tmp/states
 cand() {
-    local r=$1 tps
+    local r=$1 out
     (
         echo 'BEGIN;'
         i=0
@@ -68,23 +101,29 @@ cand() {
     ) | psql -X -q -At -v ON_ERROR_STOP=1 >/dev/null 2>"$tmp/long.err" &
     local long=$!
     sleep 1
-    tps=$(bench_tps claims_new_idem.sql)
+    out=$(measured)
     states >"$tmp/states"
     kill "$long" 2>/dev/null || true
     wait "$long" 2>/dev/null || true
     sleep 3                 # let maintenance seal what the session held
-    echo "$tps"
+    echo "$out"
 }
 
 echo "claims beside a long claiming transaction: $ROUNDS interleaved rounds of ${SECS}s per run, $CLIENTS clients, 1-second partitions, maintenance every second, -M prepared, synchronous_commit=off"
-b_all=() c_all=()
+b_all=() c_all=() bcpu=() ccpu=()
 for r in $(seq "$ROUNDS"); do
-    with() { cand "$r"; }
-    bench_pair "$r" base with
-    b_all+=("$b") c_all+=("$c")
-    printf '  round %d: alone %.0f tps, beside the long transaction %.0f tps (partitions at its end: %s)\n' \
-        "$r" "$b" "$c" "$(cat "$tmp/states")"
+    # the baseline first in odd rounds, second in even ones
+    if ((r % 2)); then
+        read -r b bc < <(base); read -r c cc < <(cand "$r")
+    else
+        read -r c cc < <(cand "$r"); read -r b bc < <(base)
+    fi
+    b_all+=("$b") c_all+=("$c") bcpu+=("$bc") ccpu+=("$cc")
+    printf '  round %d: alone %.0f tps (%s us CPU per claim), beside the long transaction %.0f tps (%s us; partitions at its end: %s)\n' \
+        "$r" "$b" "$bc" "$c" "$cc" "$(cat "$tmp/states")"
 done
+awk -v c="$(bench_median "${ccpu[@]}")" -v b="$(bench_median "${bcpu[@]}")" \
+    'BEGIN { printf "CPU per claim beside a long claiming transaction (lower is better): with it %.1f us vs without %.1f us = %.2fx\n", c, b, c / b }'
 line=$(bench_ratio "claims beside a long claiming transaction" "with it" "${c_all[@]}" -- "without" "${b_all[@]}")
 echo "$line"
 ratio=$(sed -n 's/.*= \([0-9.]*\)x$/\1/p' <<<"$line")
