@@ -43,6 +43,7 @@
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/transam.h"
+#include "access/xact.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -179,9 +180,9 @@ bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
 
 /*---- building and validating ----*/
 
-/* The full id of a transaction that is running now. */
+/* The full id of a recent transaction (younger than our snapshots' xmin). */
 static FullTransactionId
-running_full_xid(TransactionId xid)
+recent_full_xid(TransactionId xid)
 {
 	FullTransactionId next = ReadNextFullTransactionId();
 	uint32		epoch = EpochFromFullTransactionId(next);
@@ -192,14 +193,14 @@ running_full_xid(TransactionId xid)
 	return FullTransactionIdFromEpochAndXid(epoch, xid);
 }
 
-/* Note the top-level transaction of an in-progress claim, once. */
+/* Note the top-level transaction of a claim, once. */
 static void
 add_holder(IdemSealInfo *info, TransactionId xid, int *cap)
 {
 	FullTransactionId fx;
 
-	/* running, so at least our TransactionXmin: pg_subtrans knows it */
-	fx = running_full_xid(SubTransGetTopmostTransaction(xid));
+	/* running or newer than our snapshots, so pg_subtrans knows it */
+	fx = recent_full_xid(SubTransGetTopmostTransaction(xid));
 	for (int i = 0; i < info->nholders; i++)
 		if (FullTransactionIdEquals(info->holders[i], fx))
 			return;
@@ -216,13 +217,15 @@ add_holder(IdemSealInfo *info, TransactionId xid, int *cap)
 /*
  * Scan a partition that takes no more claims and summarise it: its Bloom
  * filter (NULL when empty), how many claims it holds, the newest claimed_at
- * and the open transactions that made some of them.  The scan uses a dirty
- * snapshot, so claims still in progress are in the filter and the figures
- * (a claim that then rolls back is only a false positive).  The caller
- * makes sure no claim can be inserted there any more (retention.c).
+ * and the transactions whose claims there the snapshot "visible" (the one
+ * its scopes will be counted with) does not show: those still open, and
+ * those that committed after it was taken.  The scan uses a dirty snapshot,
+ * so claims still in progress are in the filter and the figures (a claim
+ * that then rolls back is only a false positive).  The caller makes sure no
+ * claim can be inserted there any more (retention.c).
  */
 bytea *
-idem_filter_build(Relation rel, IdemSealInfo *info)
+idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 {
 	TupleDesc	desc = RelationGetDescr(rel);
 	SnapshotData dirty;
@@ -251,6 +254,14 @@ idem_filter_build(Relation rel, IdemSealInfo *info)
 		/* the dirty check of this tuple named its inserter if still open */
 		if (TransactionIdIsValid(dirty.xmin))
 			add_holder(info, dirty.xmin, &cap);
+		else
+		{
+			TransactionId xmin = HeapTupleHeaderGetRawXmin(tup->t_data);
+
+			if (TransactionIdIsNormal(xmin) && !TransactionIdIsCurrentTransactionId(xmin) &&
+				XidInMVCCSnapshot(xmin, visible))
+				add_holder(info, xmin, &cap);
+		}
 		info->nkeys++;
 		if (!isnull && t > info->max_claimed_at)
 			info->max_claimed_at = t;

@@ -204,11 +204,12 @@ typedef struct IdemSealInfo
 {
 	int64		nkeys;
 	TimestampTz max_claimed_at; /* DT_NOBEGIN when empty */
-	int			nholders;		/* open transactions whose claims it holds */
+	int			nholders;		/* transactions whose claims there are not
+								 * visible yet (see idem_filter_build) */
 	FullTransactionId *holders; /* their top-level ids */
 } IdemSealInfo;
 
-extern bytea *idem_filter_build(Relation rel, IdemSealInfo *info);
+extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info);
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
 extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);

@@ -365,16 +365,21 @@ holders_array(IdemSealInfo *info)
 										   FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
 }
 
-/* Is the transaction with this full id still running (or prepared)? */
+/*
+ * Does the transaction with this full id still hold a partition: is it
+ * running (or prepared), or did it commit after the snapshot that
+ * fold_scopes() would count with?
+ */
 static bool
 holder_running(FullTransactionId fx)
 {
 	uint64		next = U64FromFullTransactionId(ReadNextFullTransactionId());
+	TransactionId xid = XidFromFullTransactionId(fx);
 
 	/* more than 2^31 ids ago (or from another cluster): its 32-bit id is reused */
 	if (next - U64FromFullTransactionId(fx) >= (UINT64CONST(1) << 31))
 		return false;
-	return TransactionIdIsInProgress(XidFromFullTransactionId(fx));
+	return TransactionIdIsInProgress(xid) || XidInMVCCSnapshot(xid, GetTransactionSnapshot());
 }
 
 /*
@@ -382,15 +387,17 @@ holder_running(FullTransactionId fx)
  * of that, and holds a lock that keeps it from being dropped): record its
  * Bloom filter, which lets claimers check it without the value lock, its
  * number of claims and its newest claimed_at -- claims of transactions
- * still open included (idem_filter_build()).  If there are such claims, the
- * partition is only held: claimers use its filter at once, but its scopes
- * are counted, and it is marked sealed, once those transactions have ended
- * (finish_held()).
+ * still open included (idem_filter_build()).  If there are such claims (or
+ * claims committed after the snapshot the scopes would be counted with),
+ * the partition is only held: claimers use its filter at once, but its
+ * scopes are counted, and it is marked sealed, once those transactions
+ * have ended (finish_held()).
  */
 static bool
 seal_one(Round *r, IdemPartition *p, const char *name)
 {
 	Relation	rel;
+	Snapshot	snap;
 	IdemSealInfo info;
 	bytea	   *bloom;
 	Oid			types[5] = {OIDOID, BYTEAOID, INT8OID, TIMESTAMPTZOID, XID8ARRAYOID};
@@ -399,9 +406,12 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	bool		v10;
 	bool		held;
 
+	/* fold_scopes() counts with the transaction snapshot, or a later one */
+	snap = RegisterSnapshot(GetTransactionSnapshot());
 	rel = table_open(p->relid, NoLock);
-	bloom = idem_filter_build(rel, &info);
+	bloom = idem_filter_build(rel, snap, &info);
 	table_close(rel, NoLock);
+	UnregisterSnapshot(snap);
 	held = info.nholders > 0;
 
 	values[0] = ObjectIdGetDatum(p->relid);
