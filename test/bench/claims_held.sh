@@ -5,10 +5,14 @@
 # partitions (retention 60 s, premake 5) while idem_maintain() runs every
 # second, once alone (the baseline) and once beside a "long" session that
 # BEGINs, claims a key every 3 seconds and does not commit during the run
-# (it keeps RowExclusiveLock on every partition it claimed in).  Rounds are
-# interleaved, the baseline first in odd rounds and second in even ones
-# (as bench_pair does); pgbench -M prepared, synchronous_commit = off.
-# Prints per round the tps of both, the CPU time the claiming backends spent
+# (it keeps RowExclusiveLock on every partition it claimed in).  A third run
+# beside a session that holds an open transaction with an xid but never
+# claims shows what any long transaction costs here (nothing of ours is
+# held; the registry and catalog rows the rounds replace cannot be pruned
+# meanwhile).  Rounds are interleaved, the baseline first in odd rounds and
+# second in even ones (as bench_pair does); pgbench -M prepared,
+# synchronous_commit = off.
+# Prints per round the tps of each, the CPU time the claiming backends spent
 # per transaction (from /proc: much less disturbed than tps by other load on
 # the machine) and, at the end of the run beside the long session, the
 # claims partitions by state (those not yet sealed are what every claim
@@ -87,15 +91,21 @@ measured() {
 
 base() { measured; }
 
-# a run beside the long session; the states at its end go to $tmp/states
+# a run beside the long session (claiming, or only holding an xid: IDLE=1);
+# the states at its end go to $tmp/states
 cand() {
     local r=$1 out
     (
         echo 'BEGIN;'
+        [[ -n ${IDLE:-} ]] && echo 'SELECT pg_current_xact_id();'
         i=0
         while :; do
             i=$((i + 1))
-            echo "SELECT idem_claim('long-$r-$i', 'held-bench');"
+            if [[ -n ${IDLE:-} ]]; then
+                echo 'SELECT 1;'
+            else
+                echo "SELECT idem_claim('long-$r-$i', 'held-bench');"
+            fi
             sleep 3
         done
     ) | psql -X -q -At -v ON_ERROR_STOP=1 >/dev/null 2>"$tmp/long.err" &
@@ -110,20 +120,21 @@ cand() {
 }
 
 echo "claims beside a long claiming transaction: $ROUNDS interleaved rounds of ${SECS}s per run, $CLIENTS clients, 1-second partitions, maintenance every second, -M prepared, synchronous_commit=off"
-b_all=() c_all=() bcpu=() ccpu=()
+b_all=() c_all=() i_all=() bcpu=() ccpu=() icpu=()
 for r in $(seq "$ROUNDS"); do
-    # the baseline first in odd rounds, second in even ones
-    if ((r % 2)); then
-        read -r b bc < <(base); read -r c cc < <(cand "$r")
-    else
-        read -r c cc < <(cand "$r"); read -r b bc < <(base)
-    fi
-    b_all+=("$b") c_all+=("$c") bcpu+=("$bc") ccpu+=("$cc")
-    printf '  round %d: alone %.0f tps (%s us CPU per claim), beside the long transaction %.0f tps (%s us; partitions at its end: %s)\n' \
-        "$r" "$b" "$bc" "$c" "$cc" "$(cat "$tmp/states")"
+    # the baseline first in odd rounds, last in even ones
+    ((r % 2)) && read -r b bc < <(base)
+    read -r c cc < <(cand "$r")
+    states=$(cat "$tmp/states")
+    read -r i ic < <(IDLE=1 cand "$r")
+    ((r % 2)) || read -r b bc < <(base)
+    b_all+=("$b") c_all+=("$c") i_all+=("$i") bcpu+=("$bc") ccpu+=("$cc") icpu+=("$ic")
+    printf '  round %d: alone %.0f tps (%s us CPU per claim); beside the long claiming transaction %.0f tps (%s us; partitions at its end: %s); beside an open transaction that does not claim %.0f tps (%s us)\n' \
+        "$r" "$b" "$bc" "$c" "$cc" "$states" "$i" "$ic"
 done
-awk -v c="$(bench_median "${ccpu[@]}")" -v b="$(bench_median "${bcpu[@]}")" \
-    'BEGIN { printf "CPU per claim beside a long claiming transaction (lower is better): with it %.1f us vs without %.1f us = %.2fx\n", c, b, c / b }'
+awk -v c="$(bench_median "${ccpu[@]}")" -v b="$(bench_median "${bcpu[@]}")" -v i="$(bench_median "${icpu[@]}")" \
+    'BEGIN { printf "CPU per claim beside a long claiming transaction (lower is better): with it %.1f us vs without %.1f us = %.2fx (beside one that does not claim: %.1f us)\n", c, b, c / b, i }'
+bench_ratio "claims beside an open transaction that does not claim" "with it" "${i_all[@]}" -- "without" "${b_all[@]}"
 line=$(bench_ratio "claims beside a long claiming transaction" "with it" "${c_all[@]}" -- "without" "${b_all[@]}")
 echo "$line"
 ratio=$(sed -n 's/.*= \([0-9.]*\)x$/\1/p' <<<"$line")
