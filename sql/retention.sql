@@ -144,6 +144,44 @@ SELECT count(*) AS new_keys FROM idem_claim_many(ARRAY(
     SELECT 'past-' || g FROM generate_series(5001, 5100) g));
 SELECT count(*) AS in_other_scope FROM idem_claim_many(ARRAY['past-1', 'past-2'], 'other');
 
+-- a prepared transaction with a claim in a partition whose range has passed
+-- keeps RowExclusiveLock on it: the round closes the partition, the next
+-- one seals it with that claim in its filter, held by the prepared
+-- transaction (which has no backend); claims go on meanwhile, and once it
+-- commits, the next round counts it in idempotency.consumers' history and
+-- marks the partition sealed
+SELECT idem_configure(retention => '3 days', partition_interval => '1 hour', premake => 1);
+CREATE TEMP TABLE held_part AS
+SELECT relid::text AS name FROM idempotency.partition_registry
+ WHERE NOT closed AND lower <= now() AND now() < upper;
+BEGIN;
+SELECT idem_claim('prepared-1', 'held');
+PREPARE TRANSACTION 'idem_held';
+SET idempotency.debug_clock_offset = '2h';
+CREATE TEMP VIEW held_state AS
+SELECT p.state, p.claims, p.has_bloom_filter,
+       p.held_by_xids::xid[] = ARRAY(SELECT transaction FROM pg_prepared_xacts
+                                      WHERE gid = 'idem_held') AS by_prepared,
+       p.held_by_pids AS pids
+  FROM idempotency.partitions p WHERE p.partition::text = (SELECT name FROM held_part);
+SELECT action FROM idem_maintain() WHERE object = (SELECT name FROM held_part);
+SELECT * FROM held_state;
+SELECT action FROM idem_maintain() WHERE object = (SELECT name FROM held_part);
+SELECT * FROM held_state;
+SELECT idem_claim('prepared-2', 'held') AS other_key, idem_claimed('prepared-1', 'held') AS uncommitted;
+SELECT claims FROM idempotency.consumers WHERE scope = 'held';
+-- a held partition is not dropped, not even once expired for claimers
+SET idempotency.debug_clock_offset = '4d';
+SELECT count(*) AS drop_tried FROM idem_maintain()
+ WHERE object = (SELECT name FROM held_part) AND action LIKE '%drop%';
+SET idempotency.debug_clock_offset = '2h';
+COMMIT PREPARED 'idem_held';
+SELECT action FROM idem_maintain() WHERE object = (SELECT name FROM held_part);
+SELECT state, claims, has_bloom_filter, pids FROM held_state;
+SELECT claims FROM idempotency.consumers WHERE scope = 'held';
+SELECT idem_claim('prepared-1', 'held') AS claimed_again;
+RESET idempotency.debug_clock_offset;
+
 -- maintenance SQL cannot be hijacked through search_path: an operator put
 -- ahead of pg_catalog is not used
 CREATE SCHEMA evil;

@@ -9,17 +9,17 @@
  * on (scope, key).  A unique index only guards one partition, so uniqueness
  * across partitions uses its own value lock, in the way of ON CONFLICT:
  *
- *	1. without any lock, look in the partitions that still take claims (the
- *	   one the claim would go into first) and in the sealed ones, whose
+ *	1. without any lock, look in the partitions not sealed yet (the one
+ *	   the claim would go into first) and in the sealed ones, whose
  *	   Bloom filters rule most keys out in memory (filters.c).  A committed
  *	   claim found here answers "duplicate" at once: a committed claim stays
  *	   until its retention has passed, so no lock is needed to trust it, and
  *	   a hot key's duplicates never queue;
  *	2. take the value lock, a transaction-level lock on a hash of
  *	   (scope, key) in a private advisory locktag space, look again in the
- *	   partitions that still take claims (all of them, filters included, if
- *	   the partition list changed since step 1), insert into the partition
- *	   that covers the current time, and release the value lock at once.
+ *	   partitions not sealed yet (all of them, filters included, if the
+ *	   partition list changed since step 1), insert into the partition that
+ *	   covers the current time, and release the value lock at once.
  *
  * Every probe uses a dirty snapshot: a committed (or our own) claim means
  * "duplicate"; a claim of a transaction still in progress means: release
@@ -29,12 +29,20 @@
  * value lock (we release it first), so value locks never join a deadlock
  * cycle.  A row inserted under the value lock stays the marker until its
  * transaction ends; others wait on that transaction, not on the value lock.
- * Partitions are locked AccessShareLock for probes and RowExclusiveLock for
- * the insert, held to transaction end as usual.  The insert re-reads the
- * partition list after taking RowExclusiveLock: maintenance seals a
- * partition only under ShareLock, so a seal that committed before we got the
- * lock is seen there, and we choose again.  Batches claim keys in sorted
- * order, so two batches never wait on each other in a cycle.
+ * Partitions are locked AccessShareLock for probes, until the call ends (it
+ * keeps nothing of them), and RowExclusiveLock for the insert, held to
+ * transaction end as usual.  The insert re-reads the partition list after
+ * taking RowExclusiveLock, still under the value lock, and chooses again if
+ * it changed.  Maintenance seals a partition at once only under ShareLock,
+ * so a seal that committed before we got our lock is seen there; a
+ * partition someone holds RowExclusiveLock on (a transaction that claimed
+ * there and is still open, say) it closes first, and seals a round later,
+ * once every value lock held after the close could be seen has been
+ * released -- so a claim that did not see the close is in the table before
+ * the seal's scan, which includes claims still in progress (filters.c).
+ * Closed partitions take no claims, and are probed as open ones until they
+ * are sealed.  Batches claim keys in sorted order, so two batches never
+ * wait on each other in a cycle.
  *
  * Claims go straight into the heap and indexes of a partition: row-level
  * security, rules and triggers on the partitions are not applied (the parent
@@ -493,13 +501,19 @@ claim_call_init(ClaimCall *call, bool batch)
 	call->parts = palloc(sizeof(OpenPart) * call->maxparts);
 }
 
-/* Close what the call opened (locks stay until the transaction ends). */
+/*
+ * Close what the call opened.  The locks of a partition it inserted into
+ * stay until the transaction ends; those it only probed go now: the call
+ * keeps nothing of such a partition, and a transaction that claims now and
+ * then must not keep maintenance from dropping it once it has expired.
+ */
 static void
 claim_call_close(ClaimCall *call)
 {
 	for (int i = 0; i < call->nparts; i++)
 	{
 		OpenPart   *op = &call->parts[i];
+		LOCKMODE	release = op->mode == AccessShareLock ? AccessShareLock : NoLock;
 
 		if (op->scan != NULL)
 			index_endscan(op->scan);
@@ -507,8 +521,8 @@ claim_call_close(ClaimCall *call)
 			ExecDropSingleTupleTableSlot(op->slot);
 		idem_close_insert_indexes(&op->ins);
 		if (op->index != NULL)
-			index_close(op->index, NoLock);
-		relation_close(op->heap, NoLock);
+			index_close(op->index, release);
+		relation_close(op->heap, release);
 	}
 	call->nparts = 0;
 }
@@ -636,7 +650,9 @@ probe_partition(ClaimCall *call, IdemPartition *part, Snapshot snap, ClaimKey *c
  * now would go) first, then the others newest first.  Open partitions are
  * probed if they have begun (give or take clock skew), and so is the oldest
  * open one, which a backend whose cache predates the partition covering now
- * would claim into; sealed ones unless expired or ruled out by their filter.
+ * would claim into; closed ones not sealed yet always (a claimer that chose
+ * one before it was closed may still be inserting there); sealed ones
+ * unless expired or ruled out by their filter.
  */
 static void
 probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
@@ -649,11 +665,11 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 		probe_partition(call, target, snap, ck, res))
 		return;
 	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
-		if (!set->parts[i].sealed)
+		if (!set->parts[i].closed)
 			oldest_open = &set->parts[i];
 	if (which != PROBE_OPEN)
 		for (int i = 0; i < set->nparts; i++)
-			if (set->parts[i].sealed)
+			if (set->parts[i].sealed && !idem_partition_expired(set, &set->parts[i], now))
 				idem_filter_prefetch(&set->parts[i], ck->hash);
 	for (int i = 0; i < set->nparts; i++)
 	{
@@ -668,7 +684,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 				continue;
 		}
 		else if (which == PROBE_SEALED ||
-				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open))
+				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open && !p->closed))
 			continue;
 		if (probe_partition(call, p, snap, ck, res))
 			return;
@@ -721,17 +737,23 @@ insert_claim(ClaimCall *call, IdemPartition *part, uint64 generation, ClaimKey *
 	bool	   *nulls;
 	TupleDesc	desc;
 
+	idem_debug_wait("claim_insert_lock");
 	op = open_part(call, part, RowExclusiveLock);
 	if (op == NULL)
 		return INSERT_GONE;
 
 	/*
-	 * Maintenance seals a partition only while nobody holds RowExclusiveLock
-	 * on it, and taking that lock processed its invalidation: if the list
-	 * changed, look again ("part" may be freed here).
+	 * Maintenance seals a partition at once only while nobody holds
+	 * RowExclusiveLock on it, and taking that lock processed its
+	 * invalidation; otherwise it closes the partition, and seals it a round
+	 * later, once every value lock held after the close committed has been
+	 * released (we hold ours until the row is in).  So a seal or close is
+	 * seen here, or waits for our insert: if the list changed, look again
+	 * ("part" may be freed here).
 	 */
 	if (idem_partition_set()->generation != generation)
 		return INSERT_CHANGED;
+	idem_debug_wait("claim_insert");
 
 	desc = RelationGetDescr(op->heap);
 	values = palloc0(desc->natts * sizeof(Datum));
@@ -822,7 +844,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 
 		/*
 		 * 2. under the value lock: look again where an earlier holder could
-		 * have inserted since -- the partitions that take claims, and if the
+		 * have inserted since -- the partitions not sealed yet, and if the
 		 * list changed, the sealed ones too -- then insert.
 		 */
 		LockAcquire(&tag, ExclusiveLock, false, false);

@@ -4,13 +4,14 @@
  *	  Bloom filters of sealed partitions: how they are built, stored in the
  *	  registry, validated, and held in memory for claimers.
  *
- * A sealed partition takes no more claims, so its keys can be summarised
- * once, when it is sealed, in a blocked Bloom filter: all bits of a key lie
- * in one 512-bit block (a cache line), so a claim pays about one cache miss
- * per sealed partition to learn that its key is not there.  The filter is
- * stored in idempotency.partition_registry.bloom (so it survives restarts,
- * dumps and reaches standbys) with a header that carries a CRC; a filter
- * that fails validation is never used: its partition is probed instead.
+ * A sealed partition takes no more claims, so its keys -- those of claims
+ * still in progress too -- can be summarised once, when it is sealed, in a
+ * blocked Bloom filter: all bits of a key lie in one 512-bit block (a cache
+ * line), so a claim pays about one cache miss per sealed partition to learn
+ * that its key is not there.  The filter is stored in
+ * idempotency.partition_registry.bloom (so it survives restarts, dumps and
+ * reaches standbys) with a header that carries a CRC; a filter that fails
+ * validation is never used: its partition is probed instead.
  *
  * In memory, filters live in one of two places:
  *	- with shared_preload_libraries = 'idempotency': once per cluster, in a
@@ -38,8 +39,11 @@
 
 #include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/subtrans.h"
 #include "access/table.h"
 #include "access/tableam.h"
+#include "access/transam.h"
+#include "access/xact.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -176,15 +180,55 @@ bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
 
 /*---- building and validating ----*/
 
+/* The full id of a recent transaction (younger than our snapshots' xmin). */
+static FullTransactionId
+recent_full_xid(TransactionId xid)
+{
+	FullTransactionId next = ReadNextFullTransactionId();
+	uint32		epoch = EpochFromFullTransactionId(next);
+
+	/* it began before the next xid: numerically greater means an epoch ago */
+	if (xid > XidFromFullTransactionId(next))
+		epoch--;
+	return FullTransactionIdFromEpochAndXid(epoch, xid);
+}
+
+/* Note the top-level transaction of a claim, once. */
+static void
+add_holder(IdemSealInfo *info, TransactionId xid, int *cap)
+{
+	FullTransactionId fx;
+
+	/* running or newer than our snapshots, so pg_subtrans knows it */
+	fx = recent_full_xid(SubTransGetTopmostTransaction(xid));
+	for (int i = 0; i < info->nholders; i++)
+		if (FullTransactionIdEquals(info->holders[i], fx))
+			return;
+	if (info->nholders == *cap)
+	{
+		*cap = *cap == 0 ? 8 : *cap * 2;
+		info->holders = info->holders == NULL ?
+			palloc(*cap * sizeof(FullTransactionId)) :
+			repalloc(info->holders, *cap * sizeof(FullTransactionId));
+	}
+	info->holders[info->nholders++] = fx;
+}
+
 /*
  * Scan a partition that takes no more claims and summarise it: its Bloom
- * filter (NULL when empty), how many claims it holds and the newest
- * claimed_at.  The caller holds a lock that keeps inserters out.
+ * filter (NULL when empty), how many claims it holds, the newest claimed_at
+ * and the transactions whose claims there the snapshot "visible" (the one
+ * its scopes will be counted with) does not show: those still open, and
+ * those that committed after it was taken.  The scan uses a dirty snapshot,
+ * so claims still in progress are in the filter and the figures (a claim
+ * that then rolls back is only a false positive).  The caller makes sure no
+ * claim can be inserted there any more (retention.c).
  */
 bytea *
-idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info)
+idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 {
 	TupleDesc	desc = RelationGetDescr(rel);
+	SnapshotData dirty;
 	TableScanDesc scan;
 	HeapTuple	tup;
 	uint64		nbits64;
@@ -192,17 +236,32 @@ idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info)
 	bytea	   *result;
 	FilterHeader *hdr;
 	uint8	   *bits;
+	int			cap = 0;
 
 	info->nkeys = 0;
 	info->max_claimed_at = DT_NOBEGIN;
+	info->nholders = 0;
+	info->holders = NULL;
+	InitDirtySnapshot(dirty);
 
 	/* one pass to size the filter, one to fill it */
-	scan = table_beginscan(rel, snap, 0, NULL);
+	scan = table_beginscan(rel, &dirty, 0, NULL);
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
 		bool		isnull;
 		TimestampTz t = DatumGetTimestampTz(heap_getattr(tup, Anum_claims_claimed_at, desc, &isnull));
 
+		/* the dirty check of this tuple named its inserter if still open */
+		if (TransactionIdIsValid(dirty.xmin))
+			add_holder(info, dirty.xmin, &cap);
+		else
+		{
+			TransactionId xmin = HeapTupleHeaderGetRawXmin(tup->t_data);
+
+			if (TransactionIdIsNormal(xmin) && !TransactionIdIsCurrentTransactionId(xmin) &&
+				XidInMVCCSnapshot(xmin, visible))
+				add_holder(info, xmin, &cap);
+		}
 		info->nkeys++;
 		if (!isnull && t > info->max_claimed_at)
 			info->max_claimed_at = t;
@@ -220,7 +279,7 @@ idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info)
 	hdr = (FilterHeader *) VARDATA(result);
 	bits = (uint8 *) (hdr + 1);
 
-	scan = table_beginscan(rel, snap, 0, NULL);
+	scan = table_beginscan(rel, &dirty, 0, NULL);
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
 		bool		isnull;

@@ -154,7 +154,13 @@ typedef struct IdemPartition
 	Oid			relid;			/* partition table */
 	TimestampTz lower;			/* claims made at or after ... */
 	TimestampTz upper;			/* ... and before this go here */
-	bool		sealed;			/* no more claims will go here */
+	bool		closed;			/* no more claims will go here (sealed, or
+								 * closed until the next round seals it) */
+	bool		sealed;			/* closed, and its claims (in progress ones
+								 * too) are summarised: filter, keep_until */
+	bool		held;			/* sealed while transactions that claimed
+								 * there were open: not yet counted in the
+								 * scope history, not droppable */
 	bool		empty;			/* sealed without a single claim */
 	TimestampTz keep_until;		/* sealed: no claim in it is younger than
 								 * keep_until - retention */
@@ -227,9 +233,12 @@ typedef struct IdemSealInfo
 {
 	int64		nkeys;
 	TimestampTz max_claimed_at; /* DT_NOBEGIN when empty */
+	int			nholders;		/* transactions whose claims there are not
+								 * visible yet (see idem_filter_build) */
+	FullTransactionId *holders; /* their top-level ids */
 } IdemSealInfo;
 
-extern bytea *idem_filter_build(Relation rel, Snapshot snap, IdemSealInfo *info);
+extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info);
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
 extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);

@@ -25,7 +25,16 @@
  * maintenance transaction that holds AccessExclusiveLock on it until after
  * its invalidation was sent; the claimer's RowExclusiveLock on it therefore
  * waits for that invalidation, and so does every later holder of the same
- * value lock (claims.c).
+ * value lock (claims.c).  And a claimer whose cache still lists a partition
+ * as open after it was sealed or closed looks at the registry again after
+ * taking RowExclusiveLock, under its value lock: a seal under ShareLock
+ * waits for that lock, a seal after a close waits for that value lock
+ * (retention.c), so the claim is either redirected or in the seal's scan.
+ *
+ * A partition is open (takes claims), closed (takes none; sealed by the
+ * next round, probed through its index until then), held (sealed while
+ * transactions that claimed there were open: claimers treat it as sealed)
+ * or sealed.
  *
  *-------------------------------------------------------------------------
  */
@@ -64,6 +73,8 @@ PG_FUNCTION_INFO_V1(idem_current_settings);
 #define Anum_registry_bloom		5
 #define Anum_registry_nkeys		6
 #define Anum_registry_max_claimed_at 7
+#define Anum_registry_closed	8
+#define Anum_registry_held_by	9
 
 /* Settings columns (all NOT NULL) */
 #define Anum_settings_retention	2
@@ -246,6 +257,16 @@ read_registry_row(Relation rel, HeapTuple tup, IdemPartition *p)
 	p->lower = DatumGetTimestampTz(heap_getattr(tup, Anum_registry_lower, desc, &isnull));
 	p->upper = DatumGetTimestampTz(heap_getattr(tup, Anum_registry_upper, desc, &isnull));
 	p->sealed = DatumGetBool(heap_getattr(tup, Anum_registry_sealed, desc, &isnull));
+	if (desc->natts >= Anum_registry_held_by)
+	{
+		/* sealed with claims of open transactions in it: held, to claimers sealed */
+		(void) heap_getattr(tup, Anum_registry_held_by, desc, &isnull);
+		p->held = !p->sealed && !isnull;
+		p->sealed |= p->held;
+		d = heap_getattr(tup, Anum_registry_closed, desc, &isnull);
+		p->closed = !isnull && DatumGetBool(d);
+	}
+	p->closed |= p->sealed;
 	/* only whether there is a filter: it is loaded when first needed */
 	(void) heap_getattr(tup, Anum_registry_bloom, desc, &isnull);
 	p->has_filter = p->sealed && !isnull;
@@ -364,11 +385,12 @@ idem_partition_set_fresh(void)
 }
 
 /*
- * The partition a claim made at "now" goes into: the unsealed one whose
- * range covers it (the newest such, should ranges overlap), else -- while
- * maintenance lags -- the newest unsealed one that has begun, else the
- * oldest unsealed one.  Maintenance extends the same partition after a lag,
- * so claimers and maintenance always agree on it.
+ * The partition a claim made at "now" goes into: the open one whose range
+ * covers it (the newest such, should ranges overlap), else -- while
+ * maintenance lags -- the newest open one that has begun, else the oldest
+ * open one.  Maintenance extends the same partition after a lag, so
+ * claimers and maintenance always agree on it.  Closed partitions (sealed,
+ * or to be sealed next round) take no claims.
  */
 IdemPartition *
 idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
@@ -381,7 +403,7 @@ idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
 	{
 		IdemPartition *p = &set->parts[i];
 
-		if (p->sealed)
+		if (p->closed)
 			continue;
 		if (p->lower <= now && now < p->upper)
 		{
@@ -397,8 +419,9 @@ idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
 
 /*
  * True if every claim in a partition is older than the retention window, so
- * nobody needs to look there and maintenance may drop it.  Only sealed
- * partitions expire: an unsealed one may still receive claims.
+ * nobody needs to look there (maintenance may drop it once it is no longer
+ * held).  Only sealed partitions expire, held ones included: an unsealed
+ * one may still receive claims, and its newest claim is not known.
  */
 bool
 idem_partition_expired(IdemPartitionSet *set, IdemPartition *p, TimestampTz now)

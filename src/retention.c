@@ -22,20 +22,36 @@
  *	  know of it (see partitions.c).
  *	- Sealing takes ShareLock on the partition, conditionally: holding it
  *	  proves no claimer is inserting there; one that comes later waits for
- *	  our commit, sees the seal and chooses another partition.  The scan
- *	  under that lock records the partition's Bloom filter, its number of
- *	  claims and its newest claimed_at.
- *	- Only sealed partitions are dropped, and only once their newest claim
- *	  (or their upper bound, if later) is older than the retention, or when
- *	  they are empty: that is the condition under which claimers stop
- *	  looking at them, so no claimer holds a lock on them.  The
+ *	  our commit, sees the seal and chooses another partition.  If the lock
+ *	  is not free (a transaction that claimed there keeps RowExclusiveLock
+ *	  until it ends, however long), the round closes the partition instead,
+ *	  a registry change that claimers honour once they see it.  A later
+ *	  round, once the close can have been seen (the locks of the
+ *	  transaction that wrote it, released after its invalidation, are
+ *	  free), waits without queueing until every value lock held at that
+ *	  moment has been released once -- a claim that did not see the close
+ *	  holds its value lock until its row is in -- and seals the partition
+ *	  under AccessShareLock, taken conditionally.  No lock that a claimer or
+ *	  a lesser role holds for long keeps a partition from being sealed.
+ *	- The seal's scan uses a dirty snapshot: it records the Bloom filter,
+ *	  the number of claims and the newest claimed_at of every claim there,
+ *	  those still in progress included (a rollback only leaves a false
+ *	  positive).  If there were such, the partition is held: claimers use
+ *	  its filter at once, but its scopes are counted in the history (in the
+ *	  transaction that marks it sealed) only once those transactions have
+ *	  ended, so idempotency.consumers counts each claim exactly once.
+ *	- Only sealed partitions are dropped (never held ones), and only once
+ *	  their newest claim (or their upper bound, if later) is older than the
+ *	  retention, or when they are empty: that is the condition under which
+ *	  claimers stop looking at them, so no claimer holds a lock on them.  The
  *	  AccessExclusiveLock is taken conditionally all the same (a reader of
- *	  idempotency.claims may hold one), and a busy partition waits for a
+ *	  idempotency.claims, or a transaction that probed the partition before
+ *	  it expired, may hold a lock), and a busy partition waits for a
  *	  later round: claimers never queue behind a drop.
- *	- Changing partition_interval seals the premade partitions of the old
- *	  width (empty ones are then dropped like any empty sealed partition)
- *	  instead of dropping them outright, so a claim that a stale claimer put
- *	  into one is never lost.
+ *	- Changing partition_interval seals (or closes) the premade partitions
+ *	  of the old width (empty ones are then dropped like any empty sealed
+ *	  partition) instead of dropping them outright, so a claim that a stale
+ *	  claimer put into one is never lost.
  *
  * Who acts: a round runs as the extension's owner in a security-restricted
  * operation, whoever calls it (the worker, a role granted EXECUTE on
@@ -66,9 +82,12 @@
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
+#include "storage/procarray.h"
 #include "utils/acl.h"
+#include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datetime.h"
 #include "utils/guc.h"
@@ -77,8 +96,16 @@
 #include "utils/resowner.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
+#include "utils/wait_event.h"
+#include "utils/xid8.h"
 
 PG_FUNCTION_INFO_V1(idem_configure);
+
+/*
+ * How long a round waits for the claims in flight when a partition was
+ * closed (they take microseconds; a longer one is left for the next round).
+ */
+#define IDEM_SEAL_WAIT_MS	1000
 PG_FUNCTION_INFO_V1(idem_maintain);
 
 /*---- SQL helpers ----*/
@@ -373,38 +400,74 @@ fold_scopes(Relation rel, Snapshot snap)
 				  4, types, values, SPI_OK_INSERT);
 }
 
+/* The transactions a seal found claims of, as the registry stores them. */
+static Datum
+holders_array(IdemSealInfo *info)
+{
+	Datum	   *elems;
+
+	if (info->nholders == 0)
+		return (Datum) 0;
+	elems = palloc(sizeof(Datum) * info->nholders);
+	for (int i = 0; i < info->nholders; i++)
+		elems[i] = FullTransactionIdGetDatum(info->holders[i]);
+	return PointerGetDatum(construct_array(elems, info->nholders, XID8OID, sizeof(uint64),
+										   FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
+}
+
 /*
- * Summarise a partition that takes no more claims, under a conditional
- * ShareLock (a claimer inserting there makes it wait for a later round):
- * its Bloom filter, number of claims and newest claimed_at, written to its
- * registry row, with "sealed" set when sealing.  When sealing, also fold
- * its claims per scope into the scope history (rebuilding a filter does
- * not: the partition was folded when it was sealed).
+ * Does the transaction with this full id still hold a partition: is it
+ * running (or prepared), or did it commit after the snapshot that
+ * fold_scopes() would count with?
  */
 static bool
-summarise(Round *r, IdemPartition *p, const char *name, bool seal)
+holder_running(FullTransactionId fx)
+{
+	uint64		next = U64FromFullTransactionId(ReadNextFullTransactionId());
+	TransactionId xid = XidFromFullTransactionId(fx);
+
+	/* more than 2^31 ids ago (or from another cluster): its 32-bit id is reused */
+	if (next - U64FromFullTransactionId(fx) >= (UINT64CONST(1) << 31))
+		return false;
+	return TransactionIdIsInProgress(xid) || XidInMVCCSnapshot(xid, GetTransactionSnapshot());
+}
+
+/*
+ * Seal a partition that no claim can go into any more (the caller made sure
+ * of that, and holds a lock that keeps it from being dropped): record its
+ * Bloom filter, which lets claimers check it without the value lock, its
+ * number of claims and its newest claimed_at -- claims of transactions
+ * still open included (idem_filter_build()).  If there are such claims (or
+ * claims committed after the snapshot the scopes would be counted with),
+ * the partition is only held: claimers use its filter at once, but its
+ * scopes are counted, and it is marked sealed, once those transactions
+ * have ended (finish_held()).
+ */
+static bool
+seal_one(Round *r, IdemPartition *p, const char *name)
 {
 	Relation	rel;
 	Snapshot	snap;
 	IdemSealInfo info;
 	bytea	   *bloom;
-	Oid			types[4] = {OIDOID, BYTEAOID, INT8OID, TIMESTAMPTZOID};
-	Datum		values[4];
-	char		nulls[4] = {' ', ' ', ' ', ' '};
+	Oid			types[5] = {OIDOID, BYTEAOID, INT8OID, TIMESTAMPTZOID, XID8ARRAYOID};
+	Datum		values[5];
+	char		nulls[5] = {' ', ' ', ' ', ' ', ' '};
 	bool		v10;
-
-	if (!ConditionalLockRelationOid(p->relid, ShareLock))
-		return false;			/* a claimer is inserting: next round */
+	bool		held;
 
 	/* a database still at version 1.0 has no room for what the seal found */
 	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
+
+	/* the scopes are counted with the snapshot the filter was built with */
+	snap = RegisterSnapshot(GetTransactionSnapshot());
 	rel = table_open(p->relid, NoLock);
-	snap = RegisterSnapshot(GetLatestSnapshot());
 	bloom = idem_filter_build(rel, snap, &info);
-	if (seal && !v10)
+	held = info.nholders > 0;
+	if (!v10 && !held)
 		fold_scopes(rel, snap); /* 1.0 has no scope history either */
-	UnregisterSnapshot(snap);
 	table_close(rel, NoLock);
+	UnregisterSnapshot(snap);
 
 	values[0] = ObjectIdGetDatum(p->relid);
 	values[1] = PointerGetDatum(bloom);
@@ -412,33 +475,55 @@ summarise(Round *r, IdemPartition *p, const char *name, bool seal)
 	values[2] = Int64GetDatum(info.nkeys);
 	values[3] = TimestampTzGetDatum(info.max_claimed_at);
 	nulls[3] = info.nkeys == 0 ? 'n' : ' ';
+	values[4] = holders_array(&info);
+	nulls[4] = held ? ' ' : 'n';
+
+	if (v10 && held)
+		return false;			/* only under ShareLock, which it lacked */
 	if (SPI_execute_with_args(v10 ?
 							  "UPDATE idempotency.partition_registry"
 							  " SET sealed = true, bloom = $2 WHERE relid = $1" :
 							  "UPDATE idempotency.partition_registry"
-							  " SET sealed = true, bloom = $2, nkeys = $3, max_claimed_at = $4"
+							  " SET sealed = $5 IS NULL, closed = true, bloom = $2, nkeys = $3,"
+							  " max_claimed_at = $4, held_by = $5"
 							  " WHERE relid = $1",
-							  v10 ? 2 : 4, types, values, nulls, false, 0) != SPI_OK_UPDATE)
+							  v10 ? 2 : 5, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	idem_report_action(r->rep, seal ? "seal" : "rebuild filter", name);
+	idem_report_action(r->rep, held ? "hold" : "seal", name);
 	return true;
 }
 
 /*
- * Seal a partition: no claim may go into it any more, which lets claimers
- * check it without the value lock, mostly through its Bloom filter.
+ * Build the filter of a sealed partition again (its bloom was set to NULL,
+ * the repair of a damaged one), under a conditional ShareLock.  Nothing
+ * else of its registry row changes: it was counted when it was sealed.
  */
-static bool
-seal_one(Round *r, IdemPartition *p, const char *name)
-{
-	return summarise(r, p, name, true);
-}
-
-/* Build the filter of a sealed partition again (its bloom was set to NULL). */
 static bool
 rebuild_one(Round *r, IdemPartition *p, const char *name)
 {
-	return summarise(r, p, name, false);
+	Relation	rel;
+	Snapshot	snap;
+	IdemSealInfo info;
+	bytea	   *bloom;
+	Oid			types[2] = {OIDOID, BYTEAOID};
+	Datum		values[2];
+	char		nulls[2] = {' ', ' '};
+
+	if (!ConditionalLockRelationOid(p->relid, ShareLock))
+		return false;
+	snap = RegisterSnapshot(GetTransactionSnapshot());
+	rel = table_open(p->relid, NoLock);
+	bloom = idem_filter_build(rel, snap, &info);
+	table_close(rel, NoLock);
+	UnregisterSnapshot(snap);
+	values[0] = ObjectIdGetDatum(p->relid);
+	values[1] = PointerGetDatum(bloom);
+	nulls[1] = bloom == NULL ? 'n' : ' ';
+	if (SPI_execute_with_args("UPDATE idempotency.partition_registry SET bloom = $2 WHERE relid = $1",
+							  2, types, values, nulls, false, 0) != SPI_OK_UPDATE)
+		elog(ERROR, "could not update idempotency.partition_registry");
+	idem_report_action(r->rep, "rebuild filter", name);
+	return true;
 }
 
 /*
@@ -461,22 +546,213 @@ rebuild_filters(Round *r)
 }
 
 /*
- * Seal the partitions whose range has passed (by a second, for claimers
- * whose clock reads a little behind), except the one claims go into while
- * maintenance lags.
+ * Finish sealing a held partition once every transaction that had claims
+ * in progress there when it was sealed has ended: count its scopes into the
+ * history and mark it sealed, in one transaction (so idempotency.consumers
+ * counts those claims live until then, and in the history after).
+ */
+static bool
+finish_held(Round *r, IdemPartition *p, const char *name)
+{
+	Oid			types[1] = {OIDOID};
+	Datum		values[1] = {ObjectIdGetDatum(p->relid)};
+	bool		isnull;
+	Datum	   *elems;
+	int			n;
+
+	if (SPI_execute_with_args("SELECT held_by FROM idempotency.partition_registry WHERE relid = $1",
+							  1, types, values, NULL, false, 1) != SPI_OK_SELECT || SPI_processed != 1)
+		return false;			/* changed by hand meanwhile: next round */
+	values[0] = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull);
+	if (isnull)
+		return false;
+	deconstruct_array(DatumGetArrayTypeP(values[0]), XID8OID, sizeof(uint64), FLOAT8PASSBYVAL,
+					  TYPALIGN_DOUBLE, &elems, NULL, &n);
+	for (int i = 0; i < n; i++)
+		if (holder_running(DatumGetFullTransactionId(elems[i])))
+			return false;		/* still held: the view shows by whom */
+
+	if (!ConditionalLockRelationOid(p->relid, AccessShareLock))
+	{
+		idem_report_action(r->rep, "skip seal (in use)", name);
+		return false;
+	}
+	values[0] = ObjectIdGetDatum(p->relid);
+	idem_spi_exec("UPDATE idempotency.partition_registry SET sealed = true, held_by = NULL"
+				  " WHERE relid = $1", 1, types, values, SPI_OK_UPDATE);
+	/* the holders have ended: the transaction snapshot sees what they committed */
+	{
+		Snapshot	snap = RegisterSnapshot(GetTransactionSnapshot());
+		Relation	rel = table_open(p->relid, NoLock);
+
+		fold_scopes(rel, snap);
+		table_close(rel, NoLock);
+		UnregisterSnapshot(snap);
+	}
+	idem_report_action(r->rep, "seal", name);
+	return true;
+}
+
+/*
+ * A partition whose range has passed (or a premade one a reshape retires):
+ * seal it now if no claimer holds RowExclusiveLock on it -- our ShareLock
+ * then proves that nobody is inserting there, and one that comes later
+ * waits for our commit and sees the seal.  Otherwise close it: a claimer
+ * that sees the close never inserts there, and the next round seals it once
+ * the claims in flight before the close was seen are done (seal_passed()),
+ * without waiting for the transactions that hold the lock: one that
+ * claimed there earlier is not necessarily still inserting.
+ */
+static bool
+seal_or_close(Round *r, IdemPartition *p, const char *name)
+{
+	Oid			types[1] = {OIDOID};
+	Datum		values[1] = {ObjectIdGetDatum(p->relid)};
+
+	if (ConditionalLockRelationOid(p->relid, ShareLock))
+		return seal_one(r, p, name);
+	if (get_attnum(r->set->registry_relid, "closed") == InvalidAttrNumber)
+		return false;			/* version 1.0: only the lock will do */
+	idem_spi_exec("UPDATE idempotency.partition_registry SET closed = true WHERE relid = $1",
+				  1, types, values, SPI_OK_UPDATE);
+	idem_report_action(r->rep, "close", name);
+	return true;
+}
+
+/* Seal a partition an earlier round closed, after wait_for_claims_in_flight(). */
+static bool
+seal_closed(Round *r, IdemPartition *p, const char *name)
+{
+	if (!ConditionalLockRelationOid(p->relid, AccessShareLock))
+	{
+		idem_report_action(r->rep, "skip seal (in use)", name);
+		return false;
+	}
+	return seal_one(r, p, name);
+}
+
+/*
+ * Has the close of p committed, and had every backend the chance to see
+ * it?  Its registry row was written by a transaction other than ours whose
+ * locks are released -- after its invalidation was sent.
+ */
+static bool
+close_seen(IdemPartition *p)
+{
+	TransactionId xmin = p->filter_xmin;	/* xmin of its registry row */
+
+	if (!TransactionIdIsNormal(xmin))
+		return true;
+	return !TransactionIdIsCurrentTransactionId(xmin) && ConditionalXactLockTableWait(xmin);
+}
+
+/*
+ * Wait until every value lock (claims.c) that another backend holds now has
+ * been released once.  Every insert into a claims partition happens under
+ * the value lock of its key, taken before the last look at the registry:
+ * once the close of a partition has been seen (close_seen()), a claim that
+ * still goes there holds its value lock now.  Polls instead of queueing for
+ * the locks, so claimers never wait behind maintenance and no deadlock can
+ * form; false (with the holder's pid) if one is still held after
+ * IDEM_SEAL_WAIT_MS.
+ */
+static bool
+wait_for_claims_in_flight(int *pid)
+{
+	LockData   *locks = GetLockStatusData();
+	LockInstanceData **held = palloc(sizeof(LockInstanceData *) * Max(locks->nelements, 1));
+	int			nheld = 0;
+	TimestampTz start = GetCurrentTimestamp();
+	MemoryContext pollcxt = AllocSetContextCreate(CurrentMemoryContext, "idempotency seal wait",
+												  ALLOCSET_SMALL_SIZES);
+	bool		done = false;
+
+	for (int i = 0; i < locks->nelements; i++)
+	{
+		LockInstanceData *l = &locks->locks[i];
+
+		if (l->locktag.locktag_type == LOCKTAG_ADVISORY &&
+			l->locktag.locktag_field1 == MyDatabaseId &&
+			l->locktag.locktag_field4 == IDEM_LOCKTAG_CLAIM &&
+			(l->holdMask & LOCKBIT_ON(ExclusiveLock)) != 0 && l->pid != MyProcPid)
+			held[nheld++] = l;
+	}
+	while (!done)
+	{
+		MemoryContext oldcxt = MemoryContextSwitchTo(pollcxt);
+
+		done = true;
+		for (int i = 0; i < nheld; i++)
+		{
+			VirtualTransactionId *vxids;
+
+			if (held[i] == NULL)
+				continue;
+			vxids = GetLockConflicts(&held[i]->locktag, ExclusiveLock, NULL);
+			while (VirtualTransactionIdIsValid(*vxids) &&
+				   (vxids->backendId != held[i]->backend ||
+					vxids->localTransactionId != held[i]->lxid))
+				vxids++;
+			if (VirtualTransactionIdIsValid(*vxids))
+			{
+				done = false;	/* the same transaction still holds it */
+				*pid = held[i]->pid;
+			}
+			else
+				held[i] = NULL;
+		}
+		MemoryContextSwitchTo(oldcxt);
+		MemoryContextReset(pollcxt);
+		if (done || TimestampDifferenceExceeds(start, GetCurrentTimestamp(), IDEM_SEAL_WAIT_MS))
+			break;
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH, 1,
+						 PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+	}
+	MemoryContextDelete(pollcxt);
+	return done;
+}
+
+/*
+ * Seal what can be sealed.  First what earlier rounds held (once their
+ * holders have ended) or closed (once the claims in flight when the close
+ * was seen are done), before this round takes any ShareLock a claimer in
+ * flight could be waiting for; then seal or close the partitions whose
+ * range has passed (by a second, for claimers whose clock reads a little
+ * behind), except the one claims go into while maintenance lags.
  */
 static void
 seal_passed(Round *r)
 {
 	bool		covers;
 	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+	int			waited = 0;		/* 1: claims in flight are done, -1: not */
+	int			pid = 0;
 
 	for (int i = r->set->nparts - 1; i >= 0; i--)
 	{
 		IdemPartition *p = &r->set->parts[i];
+		char	   *name;
 
-		if (!p->sealed && p != target && p->upper <= r->now - USECS_PER_SEC)
-			run_action(r, seal_one, p, "seal");
+		if (p->held)
+			run_action(r, finish_held, p, "seal");
+		if (!p->closed || p->sealed || !close_seen(p))
+			continue;
+		if (waited == 0)
+			waited = wait_for_claims_in_flight(&pid) ? 1 : -1;
+		if (waited > 0)
+			run_action(r, seal_closed, p, "seal");
+		else if ((name = partition_name(p->relid)) != NULL)
+			idem_report_action(r->rep, psprintf("skip seal (claim in flight in process %d)", pid),
+							   name);
+	}
+	for (int i = r->set->nparts - 1; i >= 0; i--)
+	{
+		IdemPartition *p = &r->set->parts[i];
+
+		if (!p->closed && p != target && p->upper <= r->now - USECS_PER_SEC)
+			run_action(r, seal_or_close, p, "seal");
 	}
 }
 
@@ -504,7 +780,7 @@ drop_one(Round *r, IdemPartition *p, const char *name)
  * Drop the sealed partitions whose claims have all expired.  Only those
  * sealed before this round: every claimer has seen that seal commit, so none
  * still takes the partition for one that can take claims (and waits behind
- * our lock to probe it).
+ * our lock to probe it).  Never a held one: its scopes are not counted yet.
  */
 static void
 drop_expired(Round *r, IdemPartitionSet *sealed_before)
@@ -516,8 +792,8 @@ drop_expired(Round *r, IdemPartitionSet *sealed_before)
 
 		for (int j = 0; j < sealed_before->nparts && !was_sealed; j++)
 			was_sealed = sealed_before->parts[j].relid == p->relid &&
-				sealed_before->parts[j].sealed;
-		if (was_sealed && idem_partition_expired(r->set, p, r->now))
+				sealed_before->parts[j].sealed && !sealed_before->parts[j].held;
+		if (was_sealed && !p->held && idem_partition_expired(r->set, p, r->now))
 			run_action(r, drop_one, p, "drop");
 	}
 }
@@ -578,7 +854,7 @@ first_future_lower(Round *r, TimestampTz *lower)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (!p->sealed && p->lower > r->now && (!found || p->lower < *lower))
+		if (!p->closed && p->lower > r->now && (!found || p->lower < *lower))
 		{
 			*lower = p->lower;
 			found = true;
@@ -632,7 +908,7 @@ ensure_partitions(Round *r)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (!p->sealed && p->upper > cursor)
+		if (!p->closed && p->upper > cursor)
 			cursor = p->upper;
 	}
 	while (cursor < horizon)
@@ -646,11 +922,12 @@ ensure_partitions(Round *r)
 }
 
 /*
- * After partition_interval changed: seal the premade partitions of the old
- * width, newest first, and end the current one at the next boundary of the
- * new grid, so the new width applies from then on.  A premade partition
- * that cannot be sealed now (a claimer is inserting there) stays, and the
- * new width starts after it.
+ * After partition_interval changed: seal (or close, see seal_or_close())
+ * the premade partitions of the old width, newest first, and end the
+ * current one at the next boundary of the new grid, so the new width
+ * applies from then on.  A premade partition that can be neither (a
+ * database still at version 1.0, while a claimer is inserting there) stays,
+ * and the new width starts after it.
  */
 static void
 reshape_partitions(Round *r)
@@ -664,10 +941,10 @@ reshape_partitions(Round *r)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (p->sealed || p == target || p->lower <= r->now)
+		if (p->closed || p == target || p->lower <= r->now)
 			continue;
-		if (run_action(r, seal_one, p, "seal"))
-			p->sealed = true;
+		if (run_action(r, seal_or_close, p, "seal"))
+			p->closed = true;
 		else
 			all_sealed = false;
 	}

@@ -27,10 +27,13 @@ CREATE TABLE idempotency.partition_registry (
     relid      regclass    PRIMARY KEY,
     lower      timestamptz NOT NULL,
     upper      timestamptz NOT NULL,
-    sealed     boolean     NOT NULL DEFAULT false,  -- no claim can go here any more
-    bloom      bytea,                               -- Bloom filter of a sealed partition's keys
+    sealed     boolean     NOT NULL DEFAULT false,  -- summarised, and counted in the scope history
+    bloom      bytea,                               -- Bloom filter of a sealed (or held) partition's keys
     nkeys      bigint,                              -- claims in it when sealed
     max_claimed_at timestamptz,                     -- its newest claim when sealed
+    closed     boolean     NOT NULL DEFAULT false,  -- takes no claims any more (sealed, or next round)
+    held_by    xid8[],                              -- sealed while these transactions had claims
+                                                    -- in it in progress: sealed is set once they end
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '');

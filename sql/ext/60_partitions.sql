@@ -3,10 +3,15 @@
 --
 -- Claims partitions (store 'claims'): future (premade), current (takes
 -- claims now), sealing (its range has passed; the next maintenance round
--- seals it), sealed (takes no more claims; checked through its Bloom
--- filter), expired (sealed, and its newest claim -- or its upper bound, if
--- later -- is older than the retention window, or it is empty; dropped by
--- the next round that can lock it).
+-- seals it, or closes it if a transaction holds a lock on it), closing
+-- (takes no more claims; the next round seals it), held (sealed while
+-- transactions that claimed there were open -- held_by_xids, held_by_pids
+-- name those still open: checked through its Bloom filter, but counted in
+-- idempotency.consumers as live and not dropped until they end), sealed
+-- (takes no more claims; checked through its Bloom filter), expired
+-- (sealed, and its newest claim -- or its upper bound, if later -- is older
+-- than the retention window, or it is empty; dropped by the next round that
+-- can lock it).
 --
 -- Outbox partitions (store 'outbox'): future, current, sealed (its range
 -- has passed; kept for the retention), pinned (past its retention, but it
@@ -27,9 +32,11 @@ SELECT r.relid AS partition,
        r.lower,
        r.upper,
        CASE
+           WHEN NOT r.sealed AND r.held_by IS NOT NULL THEN 'held'
            WHEN r.sealed AND (r.nkeys = 0
                  OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
            WHEN r.sealed THEN 'sealed'
+           WHEN r.closed THEN 'closing'
            WHEN r.lower > now() THEN 'future'
            WHEN now() < r.upper THEN 'current'
            ELSE 'sealing'
@@ -38,9 +45,22 @@ SELECT r.relid AS partition,
        pg_catalog.pg_total_relation_size(r.relid) AS bytes,
        r.nkeys AS claims,
        r.max_claimed_at AS newest_claim,
-       'claims'::text AS store
+       'claims'::text AS store,
+       h.xids AS held_by_xids,
+       h.pids AS held_by_pids
 FROM idempotency.partition_registry r
 CROSS JOIN idempotency.current_settings() s
+-- a held partition's holders that are still open, and their backends
+-- (none for a prepared transaction); pg_locks is read only for those
+LEFT JOIN LATERAL (
+    SELECT ARRAY(SELECT x FROM pg_catalog.unnest(r.held_by) x
+                  WHERE pg_catalog.pg_xact_status(x) = 'in progress' ORDER BY x) AS xids,
+           ARRAY(SELECT DISTINCT l.pid FROM pg_catalog.pg_locks l
+                  WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted
+                    AND l.pid IS NOT NULL
+                    AND l.transactionid = ANY (r.held_by::pg_catalog.xid[])
+                  ORDER BY l.pid) AS pids
+     WHERE NOT r.sealed AND r.held_by IS NOT NULL) h ON true
 UNION ALL
 SELECT o.relid, o.lower, o.upper,
        CASE
@@ -53,7 +73,7 @@ SELECT o.relid, o.lower, o.upper,
        false,
        pg_catalog.pg_total_relation_size(o.relid),
        NULL, NULL,
-       'outbox'
+       'outbox', NULL, NULL
 FROM idempotency.outbox_partitions o
 CROSS JOIN idempotency.current_settings() s
 UNION ALL
@@ -67,7 +87,7 @@ SELECT q.relid, q.lower, q.upper,
        false,
        pg_catalog.pg_total_relation_size(q.relid),
        NULL, NULL,
-       'requests'
+       'requests', NULL, NULL
 FROM idempotency.request_partitions q
 CROSS JOIN idempotency.current_settings() s
 UNION ALL
@@ -82,7 +102,7 @@ SELECT i.relid, i.lower, i.upper,
        false,
        pg_catalog.pg_total_relation_size(i.relid),
        NULL, NULL,
-       'inbox'
+       'inbox', NULL, NULL
 FROM idempotency.inbox_partitions i
 CROSS JOIN idempotency.current_settings() s;
 COMMENT ON VIEW idempotency.partitions IS

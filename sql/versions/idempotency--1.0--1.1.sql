@@ -82,6 +82,13 @@ ALTER TABLE idempotency.partition_registry
     ADD COLUMN nkeys bigint,                        -- claims in it when sealed
     ADD COLUMN max_claimed_at timestamptz;          -- its newest claim when sealed
 
+-- partition registry: a partition closed to claims (sealed by the next
+-- round), or sealed while transactions had claims in it in progress
+ALTER TABLE idempotency.partition_registry
+    ADD COLUMN closed boolean NOT NULL DEFAULT false,
+    ADD COLUMN held_by xid8[];
+UPDATE idempotency.partition_registry SET closed = true WHERE sealed;
+
 -- Partitions sealed by 1.0 recorded neither: count them now, so that they
 -- are kept for the retention after their newest claim, as 1.1 seals do.
 DO $$

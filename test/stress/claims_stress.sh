@@ -4,11 +4,20 @@
 # Several pgbench clients claim keys drawn from a smallish range (so they
 # collide, also across partition boundaries), apply an effect when the claim
 # is true, record every attempt, and roll back a fraction of transactions at
-# random, while idem_maintain() runs in a loop.  Afterwards, SQL checks:
+# random, while idem_maintain() runs in a loop.  Beside them, a slow handler
+# claims a key of the current second (new: it inserts) and keeps its
+# transaction open for 3.5 s, across partition boundaries, so maintenance
+# closes the partition it holds RowExclusiveLock on and seals it (held,
+# while the claim is still in progress); a follower claims the slow
+# handler's keys of the last seconds, so it waits for claims in progress in
+# closed or held partitions or finds them through their filters.  Both
+# record attempts and effects as the pgbench clients do.  Afterwards, SQL
+# checks:
 #   - no key has two effects, and no key has two committed claims;
 #   - the keys with a committed claim and the keys with an effect are the same;
 #   - every key with a committed attempt has exactly one effect, and exactly
-#     one committed attempt that got true.
+#     one committed attempt that got true;
+#   - maintenance closed partitions a transaction held, and sealed them.
 # Exits non-zero on any violation.  Connection from PGHOST/PGPORT/PGDATABASE/
 # PGUSER; run by test/run-tests (part "stress") in an empty database.
 # Settings: IDEM_STRESS_SECONDS (default 18), IDEM_STRESS_CLIENTS (default 6),
@@ -22,8 +31,10 @@ ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
 
 tmp=$(mktemp -d)
 maint_pid=''
+slow_pids=()
 cleanup() {
     [[ -n $maint_pid ]] && kill "$maint_pid" 2>/dev/null && wait "$maint_pid" 2>/dev/null
+    for p in "${slow_pids[@]}"; do kill "$p" 2>/dev/null; done
     rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -62,21 +73,59 @@ COMMIT;
 \endif
 PGBENCH
 
-# maintenance running alongside the claims; any error fails the test
+# maintenance running alongside the claims, its actions logged; any error
+# fails the test
 (
     while :; do
-        sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
+        sql -c 'SELECT action FROM idem_maintain()' >>"$tmp/actions" 2>>"$tmp/maintain.err" \
             || echo "idem_maintain failed" >>"$tmp/maintain.err"
         sleep 0.5
     done
 ) &
 maint_pid=$!
 
+# claim_step KEY_SQL: psql lines that claim the key KEY_SQL evaluates to,
+# apply the effect if the claim is true, and record the attempt
+claim_step() {
+    cat <<PSQL
+SELECT $1 AS k \gset
+SELECT idem_claim(:'k', 'stress')::int AS claimed \gset
+\if :claimed
+INSERT INTO stress_effects (key) VALUES (:'k');
+\endif
+INSERT INTO stress_attempts (key, claimed) VALUES (:'k', :claimed::int::boolean);
+PSQL
+}
+# the slow handler: a key of the current second, then 3.5 s with the
+# transaction open; the follower: a key of the slow handler's last 6 seconds
+slow_key="'slow-' || extract(epoch FROM date_trunc('second', clock_timestamp()))::bigint"
+follow_key="'slow-' || (extract(epoch FROM date_trunc('second', clock_timestamp()))::bigint - 1 - (random() * 5)::int)"
+(
+    end=$((SECONDS + SECONDS_RUN))
+    while ((SECONDS < end)); do
+        { echo 'BEGIN;'; claim_step "$slow_key"; echo 'SELECT pg_sleep(3.5);'
+          ((RANDOM % 100 < ROLLBACK_PCT)) && echo 'ROLLBACK;' || echo 'COMMIT;'; } |
+            sql >/dev/null 2>>"$tmp/slow.err" || echo "slow handler failed" >>"$tmp/slow.err"
+    done
+) &
+slow_pids+=($!)
+(
+    end=$((SECONDS + SECONDS_RUN))
+    while ((SECONDS < end)); do
+        { echo 'BEGIN;'; claim_step "$follow_key"; echo 'COMMIT;'; } |
+            sql >/dev/null 2>>"$tmp/slow.err" || echo "follower failed" >>"$tmp/slow.err"
+        sleep 0.2
+    done
+) &
+slow_pids+=($!)
+
 echo "pgbench: $CLIENTS clients, ${SECONDS_RUN}s, keys 1..$NKEYS (30 % from 1..500), $ROLLBACK_PCT % rollbacks, 1-second partitions"
 rc=0
 pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" \
     -D nkeys="$NKEYS" -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/claim.sql" >"$tmp/pgbench.out" 2>&1 || rc=$?
 grep -E 'processed|failed|tps|aborted' "$tmp/pgbench.out" | sed 's/^/  /' || true
+wait "${slow_pids[@]}" 2>/dev/null || true
+slow_pids=()
 kill "$maint_pid" 2>/dev/null; wait "$maint_pid" 2>/dev/null || true
 maint_pid=''
 
@@ -90,6 +139,10 @@ fi
 if [[ -s $tmp/maintain.err ]]; then
     head -n 5 "$tmp/maintain.err"
     fail "idem_maintain() failed during the run"
+fi
+if [[ -s $tmp/slow.err ]]; then
+    head -n 5 "$tmp/slow.err"
+    fail "the slow handler or the follower got an error"
 fi
 
 read -r attempts keys effects effect_keys claims claim_keys dup_attempts seconds <<<"$(sql -F ' ' -c "
@@ -141,6 +194,15 @@ min_parts=$((SECONDS_RUN / 2 < 5 ? SECONDS_RUN / 2 : 5))
 
 [[ $sealed -ge $((min_parts / 2)) ]] \
     || fail "only $sealed partitions were sealed during the run: the sealed-partition path was not exercised"
+
+closes=$(grep -c '^close$' "$tmp/actions" || true)
+holds=$(grep -c '^hold$' "$tmp/actions" || true)
+slow_keys=$(sql -c "SELECT count(DISTINCT key) FROM stress_attempts WHERE key LIKE 'slow-%'")
+slow_dups=$(sql -c "SELECT count(*) FROM stress_attempts WHERE key LIKE 'slow-%' AND NOT claimed")
+echo "slow handler and follower: $slow_keys keys, $slow_dups attempts answered false; maintenance closed $closes partitions a transaction held, $holds of them sealed while it was open"
+[[ $closes -ge 1 && $holds -ge 1 ]] \
+    || fail "maintenance closed $closes and held $holds partitions: the slow handler's claims in progress were never sealed in"
+[[ $slow_dups -ge 1 ]] || fail "the follower never found a claim of the slow handler"
 
 if [[ $failed -ne 0 ]]; then
     echo "claims stress: FAILED"
