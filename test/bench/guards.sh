@@ -1,5 +1,5 @@
 #!/bin/bash
-# Benchmark of guarded writes (see GUARDS-README-SNIPPET.md).
+# Benchmark of guarded writes (the guards: doc/guards.md; figures: doc/benchmarks.md).
 #
 # Compares, in interleaved rounds on one server:
 #   hand-written  INSERT ... ON CONFLICT DO UPDATE ... WHERE t.version < EXCLUDED.version

@@ -1,6 +1,6 @@
 # examples/monitoring/queries.yaml with the real postgres_exporter (Debian
 # prometheus-postgres-exporter), connected as a monitoring role granted
-# only what doc/monitoring.md lists: every query runs without error, and the
+# only what doc/observability.md lists: every query runs without error, and the
 # metrics carry the values the database holds (claims and duplicates per
 # scope, stale skips per guarded table, outbox and inbox backlog, dead letters,
 # partitions per state, time since the last maintenance round, room for
@@ -31,7 +31,7 @@ my $node = idem_node('exporter',
 $node->safe_psql(
 	'postgres', q{
 CREATE EXTENSION idempotency;
--- the monitoring role of doc/monitoring.md
+-- the monitoring role of doc/observability.md ("Set-up")
 CREATE ROLE idem_monitor LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO idem_monitor;
 GRANT pg_monitor TO idem_monitor;
