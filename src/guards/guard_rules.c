@@ -23,7 +23,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "guards.h"
+#include "guards/guards.h"
 
 #include "catalog/pg_type.h"
 #include "utils/builtins.h"

@@ -45,7 +45,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "guards.h"
+#include "guards/guards.h"
 
 #include "access/genam.h"
 #include "access/htup_details.h"
