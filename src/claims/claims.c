@@ -52,6 +52,15 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "claims/claims.h"
+#include "common/catalog.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/keys.h"
+#include "common/rows.h"
+#include "stats/stats.h"
+#include "claims/partitions.h"
+#include "claims/filters.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"
@@ -93,13 +102,6 @@ PG_FUNCTION_INFO_V1(idem_claim_many);
 PG_FUNCTION_INFO_V1(idem_claimed);
 PG_FUNCTION_INFO_V1(idem_release);
 
-/* Claims table columns */
-#define Anum_claims_scope		1
-#define Anum_claims_key			2
-#define Anum_claims_claimed_at	3
-#define Anum_claims_fingerprint	4	/* 1.0's payload hash; read, no longer written */
-#define Anum_claims_digest		5	/* SHA-256 of the canonical payload */
-#define Natts_claims			5
 
 static const char *const claims_columns[Natts_claims] =
 {"scope", "key", "claimed_at", "fingerprint", "digest"};
@@ -148,55 +150,16 @@ typedef struct ProbeResult
 
 /*---- argument checks ----*/
 
-/* Reject an empty scope, or one longer than maxbytes. */
-void
-idem_check_scope(text *scope, int maxbytes)
-{
-	int			len = VARSIZE_ANY_EXHDR(scope);
-
-	if (len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("scope must not be empty")));
-	if (len > maxbytes)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("scope name is too long"),
-				 errdetail("Scope names are limited to %d bytes; this one has %d.",
-						   maxbytes, len)));
-}
-
 static text *
 checked_scope(FunctionCallInfo fcinfo, int argno)
 {
 	text	   *scope;
 
 	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("scope must not be null")));
+		idem_null_argument("scope");
 	scope = PG_GETARG_TEXT_PP(argno);
 	idem_check_scope(scope, IDEM_MAX_SCOPE_BYTES);
 	return scope;
-}
-
-/* Reject an empty or too long key. */
-void
-idem_check_key(text *key)
-{
-	int			len = VARSIZE_ANY_EXHDR(key);
-
-	if (len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("key must not be empty")));
-	if (len > IDEM_MAX_KEY_BYTES)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("key is too long"),
-				 errdetail("Keys are limited to %d bytes; this one has %d.",
-						   IDEM_MAX_KEY_BYTES, len),
-				 errhint("Claim a digest of longer keys, for example encode(sha256(convert_to(key, 'UTF8')), 'hex').")));
 }
 
 /*
@@ -207,9 +170,7 @@ static void
 claim_key_args(FunctionCallInfo fcinfo, int argno, ClaimKey *ck)
 {
 	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("key must not be null")));
+		idem_null_argument("key");
 	ck->key = PG_GETARG_TEXT_PP(argno);
 	idem_check_key(ck->key);
 	ck->scope = checked_scope(fcinfo, argno + 1);
@@ -231,108 +192,7 @@ check_claims_privilege(IdemPartitionSet *set, AclMode mode, const char *what)
 						 mode == ACL_DELETE ? "DELETE" : "SELECT")));
 }
 
-/* A key for messages: at most 100 bytes of it. */
-char *
-idem_key_for_message(text *key)
-{
-	char	   *s = text_to_cstring(key);
-	int			len = strlen(s);
-
-	if (len > 100)
-	{
-		len = pg_mbcliplen(s, len, 100);
-		s[len] = '\0';
-		return psprintf("%s...", s);
-	}
-	return s;
-}
-
 /*---- payload digests ----*/
-
-static void
-digest_bytes(pg_cryptohash_ctx *ctx, char tag, const void *data, uint32 len)
-{
-	uint8		head[5];
-
-	head[0] = (uint8) tag;
-	head[1] = (uint8) (len >> 24);
-	head[2] = (uint8) (len >> 16);
-	head[3] = (uint8) (len >> 8);
-	head[4] = (uint8) len;
-	if (pg_cryptohash_update(ctx, head, sizeof(head)) < 0 ||
-		(len > 0 && pg_cryptohash_update(ctx, data, len) < 0))
-		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
-}
-
-/*
- * SHA-256 of a jsonb value in canonical form: jsonb already sorts object
- * keys and drops duplicates, and numbers are written without insignificant
- * zeros, so equal jsonb values (1.0 and 1.00 included) get equal digests.
- * Every token is tagged and length-prefixed, so no two different values
- * feed the same bytes.
- */
-void
-idem_payload_digest(Jsonb *jb, uint8 *digest)
-{
-	pg_cryptohash_ctx *ctx = pg_cryptohash_create(PG_SHA256);
-	JsonbIterator *it = JsonbIteratorInit(&jb->root);
-	JsonbIteratorToken tok;
-	JsonbValue	v;
-
-	if (pg_cryptohash_init(ctx) < 0)
-		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
-	while ((tok = JsonbIteratorNext(&it, &v, false)) != WJB_DONE)
-	{
-		switch (tok)
-		{
-			case WJB_BEGIN_ARRAY:
-				digest_bytes(ctx, v.val.array.rawScalar ? 'S' : '[', NULL, 0);
-				break;
-			case WJB_END_ARRAY:
-				digest_bytes(ctx, ']', NULL, 0);
-				break;
-			case WJB_BEGIN_OBJECT:
-				digest_bytes(ctx, '{', NULL, 0);
-				break;
-			case WJB_END_OBJECT:
-				digest_bytes(ctx, '}', NULL, 0);
-				break;
-			case WJB_KEY:
-				digest_bytes(ctx, 'k', v.val.string.val, v.val.string.len);
-				break;
-			case WJB_VALUE:
-			case WJB_ELEM:
-				switch (v.type)
-				{
-					case jbvNull:
-						digest_bytes(ctx, 'n', NULL, 0);
-						break;
-					case jbvBool:
-						digest_bytes(ctx, v.val.boolean ? 't' : 'f', NULL, 0);
-						break;
-					case jbvString:
-						digest_bytes(ctx, 's', v.val.string.val, v.val.string.len);
-						break;
-					case jbvNumeric:
-						{
-							char	   *n = numeric_normalize(v.val.numeric);
-
-							digest_bytes(ctx, 'd', n, strlen(n));
-							pfree(n);
-							break;
-						}
-					default:
-						elog(ERROR, "unexpected jsonb value type %d", (int) v.type);
-				}
-				break;
-			default:
-				elog(ERROR, "unexpected jsonb token %d", (int) tok);
-		}
-	}
-	if (pg_cryptohash_final(ctx, digest, PG_SHA256_DIGEST_LENGTH) < 0)
-		elog(ERROR, "could not compute payload digest: %s", pg_cryptohash_error(ctx));
-	pg_cryptohash_free(ctx);
-}
 
 /* Version 1.0's payload fingerprint, for claims stored by or for it. */
 static Datum
@@ -693,21 +553,6 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 
 /*---- value lock ----*/
 
-/*
- * 64-bit hash of (scope, key): names the value lock and indexes the Bloom
- * filters of sealed partitions (so it must never change).
- */
-uint64
-idem_key_hash(text *scope, text *key)
-{
-	uint64		h;
-
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(scope),
-							VARSIZE_ANY_EXHDR(scope), 0);
-	return hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
-							   VARSIZE_ANY_EXHDR(key), h);
-}
-
 static void
 value_locktag(LOCKTAG *tag, ClaimKey *ck)
 {
@@ -953,7 +798,6 @@ idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname)
 	return claim_one(&ck, payload, fname);
 }
 
-
 /* Byte order of keys, for claiming a batch in a canonical order. */
 static text **sort_keys_base;
 
@@ -1000,9 +844,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	MemoryContext keycxt;
 
 	if (PG_ARGISNULL(0))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("keys must not be null")));
+		idem_null_argument("keys");
 	arr = PG_GETARG_ARRAYTYPE_P(0);
 	if (ARR_NDIM(arr) > 1)
 		ereport(ERROR,

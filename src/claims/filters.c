@@ -34,6 +34,10 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "claims/filters.h"
+#include "common/catalog.h"
+#include "common/keys.h"
+#include "claims/partitions.h"
 
 #include <limits.h>
 
@@ -60,13 +64,6 @@
 #include "utils/timestamp.h"
 
 PG_FUNCTION_INFO_V1(idem_filter_status);
-
-/* Registry column that holds the filter, and the claims columns we read */
-#define Anum_registry_relid		1
-#define Anum_registry_bloom		5
-#define Anum_claims_scope		1
-#define Anum_claims_key			2
-#define Anum_claims_claimed_at	3
 
 /* Header of a stored filter; filters of version 1.0 have none. */
 #define IDEM_FILTER_MAGIC		0x46424449	/* "IDBF" */

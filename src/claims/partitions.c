@@ -39,6 +39,11 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "claims/partitions.h"
+#include "common/catalog.h"
+#include "common/clock.h"
+#include "common/cache.h"
+#include "claims/settings.h"
 
 #include <limits.h>
 
@@ -63,37 +68,15 @@
 PG_FUNCTION_INFO_V1(idem_partition_cache_invalidate);
 PG_FUNCTION_INFO_V1(idem_registry_changed);
 PG_FUNCTION_INFO_V1(idem_cached_partitions);
-PG_FUNCTION_INFO_V1(idem_current_settings);
-
-/* Registry columns */
-#define Anum_registry_relid		1
-#define Anum_registry_lower		2
-#define Anum_registry_upper		3
-#define Anum_registry_sealed	4
-#define Anum_registry_bloom		5
-#define Anum_registry_nkeys		6
-#define Anum_registry_max_claimed_at 7
-#define Anum_registry_closed	8
-#define Anum_registry_held_by	9
-
-/* Settings columns (all NOT NULL) */
-#define Anum_settings_retention	2
-#define Anum_settings_interval	3
-#define Anum_settings_premake	4
 
 /*---- GUC variables ----*/
-
-/* testing only: shifts the extension's clock (seconds) */
-static int	idem_debug_clock_offset = 0;
-
-/* testing only: name of a point where the code pauses (see idem_debug_wait) */
-static char *idem_debug_wait_point = NULL;
 
 /*---- the cache ----*/
 
 static MemoryContext partition_cxt = NULL;
 static IdemPartitionSet *partition_cache = NULL;
 static Oid	cached_registry_relid = InvalidOid;
+static Oid	cached_settings_relid = InvalidOid;
 static uint64 partition_generation = 0;
 
 /* invalidations of the registry seen; a build that sees this move restarts */
@@ -102,7 +85,8 @@ static uint64 registry_invals = 0;
 static void
 partition_cache_callback(Datum arg, Oid relid)
 {
-	if (relid == InvalidOid || relid == cached_registry_relid)
+	if (relid == InvalidOid || relid == cached_registry_relid ||
+		relid == cached_settings_relid)
 	{
 		partition_cache = NULL;
 		registry_invals++;
@@ -112,126 +96,7 @@ partition_cache_callback(Datum arg, Oid relid)
 void
 idem_partitions_init(void)
 {
-	DefineCustomIntVariable("idempotency.debug_clock_offset",
-							"Shifts the clock of claims and maintenance (for tests only).",
-							NULL,
-							&idem_debug_clock_offset,
-							0, INT_MIN, INT_MAX,
-							PGC_SUSET,
-							GUC_UNIT_S | GUC_NOT_IN_SAMPLE,
-							NULL, NULL, NULL);
-	DefineCustomStringVariable("idempotency.debug_wait_point",
-							   "Names a point where the extension waits for advisory lock 7370 (for tests only).",
-							   NULL,
-							   &idem_debug_wait_point,
-							   "",
-							   PGC_SUSET,
-							   GUC_NOT_IN_SAMPLE,
-							   NULL, NULL, NULL);
 	CacheRegisterRelcacheCallback(partition_cache_callback, (Datum) 0);
-}
-
-/* The extension's clock: the wall clock, shifted in tests. */
-TimestampTz
-idem_now(void)
-{
-	return GetCurrentTimestamp() + (int64) idem_debug_clock_offset * USECS_PER_SEC;
-}
-
-/*
- * Injection point for isolation tests: when idempotency.debug_wait_point
- * names this point, wait until no other session holds advisory lock 7370
- * (pg_advisory_lock(7370)), so a test can hold this backend here while
- * another session commits something.
- */
-void
-idem_debug_wait(const char *point)
-{
-	LOCKTAG		tag;
-
-	if (idem_debug_wait_point == NULL || strcmp(idem_debug_wait_point, point) != 0)
-		return;
-	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 7370, 1);
-	(void) LockAcquire(&tag, ShareLock, false, false);
-	LockRelease(&tag, ShareLock, false);
-}
-
-/* An interval in seconds, months counting as 30 days. */
-int64
-idem_interval_seconds(Interval *iv)
-{
-	/* months count as 30 days, as in EXTRACT(EPOCH FROM interval) */
-	return iv->time / USECS_PER_SEC +
-		(int64) iv->day * SECS_PER_DAY +
-		(int64) iv->month * DAYS_PER_MONTH * SECS_PER_DAY;
-}
-
-/*
- * Open one of the extension's own tables; a clear error (not "could not open
- * relation with OID") if DROP EXTENSION removed it meanwhile.
- */
-static Relation
-open_internal(Oid relid)
-{
-	Relation	rel = try_table_open(relid, AccessShareLock);
-
-	if (rel == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("extension \"idempotency\" is not installed in this database"),
-				 errdetail("Its tables were dropped while this statement ran.")));
-	return rel;
-}
-
-/* A whole number of seconds as an interval of days and time. */
-static Interval
-seconds_interval(int64 secs)
-{
-	Interval	iv;
-
-	iv.month = 0;
-	iv.day = (int32) (secs / SECS_PER_DAY);
-	iv.time = (secs % SECS_PER_DAY) * USECS_PER_SEC;
-	return iv;
-}
-
-static IdemSettings
-settings_from_scan(Relation rel, Snapshot snap)
-{
-	IdemSettings s;
-	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
-	HeapTuple	tup = heap_getnext(scan, ForwardScanDirection);
-
-	s.retention_iv = seconds_interval(IDEM_DEFAULT_RETENTION_SECS);
-	s.interval_iv = seconds_interval(IDEM_DEFAULT_INTERVAL_SECS);
-	s.premake = IDEM_DEFAULT_PREMAKE;
-	if (tup != NULL)
-	{
-		TupleDesc	desc = RelationGetDescr(rel);
-		bool		isnull;
-
-		s.retention_iv = *DatumGetIntervalP(heap_getattr(tup, Anum_settings_retention, desc, &isnull));
-		s.interval_iv = *DatumGetIntervalP(heap_getattr(tup, Anum_settings_interval, desc, &isnull));
-		s.premake = DatumGetInt32(heap_getattr(tup, Anum_settings_premake, desc, &isnull));
-	}
-	table_endscan(scan);
-	s.retention = idem_interval_seconds(&s.retention_iv);
-	s.interval = idem_interval_seconds(&s.interval_iv);
-	return s;
-}
-
-/* The settings as a snapshot sees them (defaults when there is no row). */
-IdemSettings
-idem_read_settings(Snapshot snap)
-{
-	Relation	rel = open_internal(idem_internal_relid("settings"));
-	IdemSettings s;
-
-	snap = RegisterSnapshot(snap);
-	s = settings_from_scan(rel, snap);
-	UnregisterSnapshot(snap);
-	table_close(rel, AccessShareLock);
-	return s;
 }
 
 static int
@@ -298,6 +163,7 @@ build_partition_set(void)
 	Oid			claimsid = idem_internal_relid("claims");
 
 	cached_registry_relid = regid;
+	cached_settings_relid = setid;
 	for (;;)
 	{
 		Relation	rel;
@@ -313,8 +179,8 @@ build_partition_set(void)
 
 		/* locks first: taking them processes what is already queued */
 		idem_debug_wait("partition_set_open");
-		rel = open_internal(regid);
-		setrel = open_internal(setid);
+		rel = idem_open_internal(regid);
+		setrel = idem_open_internal(setid);
 		invals = registry_invals;
 		snap = RegisterSnapshot(GetLatestSnapshot());
 		idem_debug_wait("partition_set_build");
@@ -327,7 +193,7 @@ build_partition_set(void)
 			MemoryContextReset(partition_cxt);
 		partition_cache = NULL;
 
-		s = settings_from_scan(setrel, snap);
+		s = idem_settings_from_scan(setrel, snap);
 		oldcxt = MemoryContextSwitchTo(partition_cxt);
 		set = palloc0(sizeof(IdemPartitionSet));
 		set->claims_relid = claimsid;
@@ -433,47 +299,22 @@ idem_partition_expired(IdemPartitionSet *set, IdemPartition *p, TimestampTz now)
 
 /*---- the invalidation trigger ----*/
 
-static Datum
-invalidate_partition_cache(FunctionCallInfo fcinfo)
-{
-	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-	Oid			regid;
-	Oid			relid;
-
-	if (!CALLED_AS_TRIGGER(fcinfo))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("function \"partition_cache_invalidate\" was not called by the trigger manager")));
-	regid = idem_internal_relid("partition_registry");
-	relid = RelationGetRelid(trigdata->tg_relation);
-	/* the other stores' registries have caches of their own (store.c) */
-	if (idem_store_is_registry(relid))
-		regid = relid;
-	else if (relid != regid && relid != idem_internal_relid("settings"))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("function \"partition_cache_invalidate\" serves only the tables of schema \"%s\"",
-						IDEM_SCHEMA)));
-	CacheInvalidateRelcacheByRelid(regid);
-	PG_RETURN_POINTER(NULL);
-}
-
 /*
- * Statement trigger on the registry and the settings: make every backend
- * drop its cached partition set (sent at commit, applied locally at the
- * next command).
+ * Statement trigger on the registry, the settings and the stores'
+ * registries: make every backend drop its cache of the table at commit
+ * (common/cache.c).
  */
 Datum
 idem_partition_cache_invalidate(PG_FUNCTION_ARGS)
 {
-	return invalidate_partition_cache(fcinfo);
+	return idem_cache_invalidate_trigger(fcinfo, "partition_cache_invalidate", false);
 }
 
 /* The same under its 1.0 name (idempotency.registry_changed). */
 Datum
 idem_registry_changed(PG_FUNCTION_ARGS)
 {
-	return invalidate_partition_cache(fcinfo);
+	return idem_cache_invalidate_trigger(fcinfo, "registry_changed", false);
 }
 
 /*
@@ -504,28 +345,4 @@ idem_cached_partitions(PG_FUNCTION_ARGS)
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	return (Datum) 0;
-}
-
-/*
- * idempotency.current_settings(): the settings in force, the defaults where
- * idempotency.settings has no row, as this transaction sees them.
- */
-Datum
-idem_current_settings(PG_FUNCTION_ARGS)
-{
-	TupleDesc	desc;
-	IdemSettings s = idem_read_settings(GetActiveSnapshot());
-	Datum		values[3];
-	bool		nulls[3] = {false, false, false};
-	Interval   *retention = palloc(sizeof(Interval));
-	Interval   *interval = palloc(sizeof(Interval));
-
-	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
-		elog(ERROR, "return type must be a row type");
-	*retention = s.retention_iv;
-	*interval = s.interval_iv;
-	values[0] = IntervalPGetDatum(retention);
-	values[1] = IntervalPGetDatum(interval);
-	values[2] = Int32GetDatum(s.premake);
-	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, values, nulls)));
 }

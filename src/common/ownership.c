@@ -29,6 +29,9 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "common/ownership.h"
+#include "common/catalog.h"
+#include "common/spi.h"
 
 #include "access/genam.h"
 #include "access/htup_details.h"

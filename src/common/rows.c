@@ -16,6 +16,7 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "common/rows.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"

@@ -54,6 +54,15 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "delivery/delivery.h"
+#include "common/catalog.h"
+#include "common/spi.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/rows.h"
+#include "claims/claims.h"
+#include "delivery/store.h"
+#include "delivery/leases.h"
 
 #include "access/htup_details.h"
 #include "access/table.h"

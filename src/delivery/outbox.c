@@ -93,6 +93,14 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "delivery/delivery.h"
+#include "common/catalog.h"
+#include "common/spi.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/rows.h"
+#include "delivery/store.h"
+#include "delivery/leases.h"
 
 #include "access/table.h"
 #include "access/transam.h"
@@ -190,7 +198,7 @@ static const struct config_enum_entry mode_options[] = {
 };
 
 static int	outbox_max_attempts = 10;
-bool		idem_outbox_keep_undelivered = true;
+static bool outbox_keep_undelivered = true;
 static int	outbox_dead_policy = DEAD_BLOCK;
 static int	outbox_notify = NOTIFY_COMMIT;
 static int	outbox_mode = MODE_TABLE;
@@ -274,7 +282,7 @@ idem_outbox_init(void)
 	DefineCustomBoolVariable("idempotency.outbox_keep_undelivered",
 							 "Whether maintenance keeps outbox partitions that hold undelivered or dead-lettered events.",
 							 "Turn off where no relay acks (change data capture reads the events from the WAL).",
-							 &idem_outbox_keep_undelivered,
+							 &outbox_keep_undelivered,
 							 true,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);

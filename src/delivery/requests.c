@@ -51,6 +51,15 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "common/catalog.h"
+#include "common/spi.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/keys.h"
+#include "common/rows.h"
+#include "stats/stats.h"
+#include "claims/claims.h"
+#include "delivery/store.h"
 
 #include "access/table.h"
 #include "access/xact.h"

@@ -26,6 +26,9 @@
  *
  *-------------------------------------------------------------------------
  */
+#include "idempotency.h"
+#include "common/args.h"
+#include "stats/stats.h"
 #include "guards/guards.h"
 
 #include "access/genam.h"

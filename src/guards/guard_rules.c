@@ -23,6 +23,7 @@
  *
  *-------------------------------------------------------------------------
  */
+#include "idempotency.h"
 #include "guards/guards.h"
 
 #include "catalog/pg_type.h"

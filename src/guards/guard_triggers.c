@@ -45,6 +45,10 @@
  *
  *-------------------------------------------------------------------------
  */
+#include "idempotency.h"
+#include "common/args.h"
+#include "common/compat.h"
+#include "stats/stats.h"
 #include "guards/guards.h"
 
 #include "access/genam.h"
@@ -73,19 +77,6 @@
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
-
-/*---- version shims ----*/
-
-#if PG_VERSION_NUM >= 160000
-#define guard_is_owner(relid) object_ownercheck(RelationRelationId, (relid), GetUserId())
-#else
-#define guard_is_owner(relid) pg_class_ownercheck((relid), GetUserId())
-#endif
-
-#if PG_VERSION_NUM < 140000
-/* message_level_is_interesting() appeared in 14; be conservative before */
-#define message_level_is_interesting(lvl) true
-#endif
 
 /*---- GUC variables ----*/
 
@@ -147,13 +138,6 @@ typedef struct GuardTrigState
  * Small helpers
  *------------------------------------------------------------------------
  */
-
-/* Public copy of the counters, for a future stats view. */
-void
-idem_guard_counters(IdemGuardCounters *out)
-{
-	*out = idem_guard_counts;
-}
 
 /*
  * "(id)=(42)" for the primary key of a row, or NULL when the table has no
@@ -536,15 +520,6 @@ idem_transition_guard(PG_FUNCTION_ARGS)
  *------------------------------------------------------------------------
  */
 
-void
-idem_check_not_null(FunctionCallInfo fcinfo, int argno, const char *argname)
-{
-	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("%s must not be null", argname)));
-}
-
 /*
  * Check that relid is a table the caller owns, then lock it against
  * concurrent guard changes.  Returns its relkind.
@@ -563,7 +538,7 @@ guard_target_check(Oid relid)
 				(errcode(ERRCODE_WRONG_OBJECT_TYPE),
 				 errmsg("\"%s\" is not a table", get_rel_name(relid)),
 				 errdetail("Guards can only be installed on tables.")));
-	if (!guard_is_owner(relid))
+	if (!idem_rel_owned_by_user(relid))
 		aclcheck_error(ACLCHECK_NOT_OWNER, get_relkind_objtype(relkind),
 					   get_rel_name(relid));
 	LockRelationOid(relid, ShareRowExclusiveLock);
@@ -890,5 +865,4 @@ idem_guards_init(void)
 							 PGC_SUSET,
 							 0,
 							 NULL, NULL, NULL);
-	idem_guard_helpers_init();
 }

@@ -19,19 +19,31 @@
  *						bounded plan caches
  *
  * The rules are shared so that a guard and the helpers judge versions and
- * states alike.  What other subsystems need of guards (the counters' type,
- * idem_guards_init) is in idempotency.h.
+ * states alike.  _PG_init calls idem_guards_init() (the only name of
+ * guards another wing uses).
  *
  *-------------------------------------------------------------------------
  */
 #ifndef IDEM_GUARDS_H
 #define IDEM_GUARDS_H
 
-#include "idempotency.h"
-
+#include "common/catalog.h"
 #include "fmgr.h"
 #include "utils/jsonb.h"
 #include "utils/reltrigger.h"
+
+/* per-backend counters of guarded writes (guard_stats()) */
+typedef struct IdemGuardCounters
+{
+	int64		stale_skipped;		/* version guard, 'skip' */
+	int64		stale_rejected;		/* version guard, 'error' (IK004) */
+	int64		upsert_stale;		/* idem_upsert() returned 'stale' */
+	int64		invalid_skipped;	/* transition guard, 'skip' */
+	int64		invalid_rejected;	/* transition guard, 'error' (IK005) */
+	int64		already_applied;	/* transition to the state a row had */
+} IdemGuardCounters;
+
+extern void idem_guards_init(void);
 
 /*---- names ----*/
 

@@ -50,6 +50,7 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "maintenance/maintenance.h"
 
 #include <limits.h>
 
@@ -162,8 +163,7 @@ check_database_list(char **newval, void **extra, GucSource source)
 
 /*
  * Define the GUCs (always) and, when loaded by shared_preload_libraries,
- * register the launcher.  Runs last in _PG_init, so every idempotency.* GUC
- * of the other subsystems is defined before the prefix is reserved.
+ * register the launcher.
  */
 void
 idem_worker_init(void)
@@ -188,12 +188,6 @@ idem_worker_init(void)
 							PGC_SIGHUP,
 							GUC_UNIT_S,
 							NULL, NULL, NULL);
-
-#if PG_VERSION_NUM >= 150000
-	MarkGUCPrefixReserved("idempotency");
-#else
-	EmitWarningsOnPlaceholders("idempotency");
-#endif
 
 	if (!process_shared_preload_libraries_in_progress)
 		return;

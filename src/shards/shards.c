@@ -59,6 +59,14 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "common/catalog.h"
+#include "common/spi.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/keys.h"
+#include "common/cache.h"
+#include "common/compat.h"
+#include "claims/claims.h"
 
 #include "access/htup_details.h"
 #include "access/table.h"
@@ -449,7 +457,7 @@ idem_shard_configure(PG_FUNCTION_ARGS)
 	Datum		values[3];
 	int			nestlevel;
 
-	if (!pg_class_ownercheck(relid, GetUserId()))
+	if (!idem_rel_owned_by_user(relid))
 		ereport(ERROR,
 				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 				 errmsg("permission denied to configure shard ownership"),
@@ -509,20 +517,7 @@ idem_shard_configure(PG_FUNCTION_ARGS)
 Datum
 idem_shard_changed(PG_FUNCTION_ARGS)
 {
-	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-	SharedInvalidationMessage msg;
-
-	if (!CALLED_AS_TRIGGER(fcinfo))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("function \"shard_changed\" was not called by the trigger manager")));
-	CacheInvalidateRelcacheByRelid(RelationGetRelid(trigdata->tg_relation));
-	memset(&msg, 0, sizeof(msg));
-	msg.rc.id = SHAREDINVALRELCACHE_ID;
-	msg.rc.dbId = MyDatabaseId;
-	msg.rc.relId = RelationGetRelid(trigdata->tg_relation);
-	SendSharedInvalidMessages(&msg, 1);
-	PG_RETURN_POINTER(NULL);
+	return idem_cache_invalidate_trigger(fcinfo, "shard_changed", true);
 }
 
 /*

@@ -64,6 +64,10 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "stats/stats.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/ownership.h"
 
 #include <limits.h>
 
@@ -91,7 +95,7 @@
 PG_FUNCTION_INFO_V1(idem_stats_counters);
 PG_FUNCTION_INFO_V1(idem_stats_info);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
-PG_FUNCTION_INFO_V1(idem_live_scopes);
+
 
 /* Slots kept for the overflow rows of this many databases. */
 #define IDEM_STATS_DATABASES	64
@@ -942,108 +946,6 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 	}
 	LWLockRelease(stats_area->lock);
 	PG_RETURN_VOID();
-}
-
-/*---- idempotency.consumers: the claims of the partitions not sealed yet ----*/
-
-/* columns of idempotency.partition_registry read here */
-#define REGISTRY_RELID_COL	1
-#define REGISTRY_SEALED_COL	4
-
-/*
- * The unsealed partitions the registry lists in snap, and that are ours
- * (idem_relation_distrust()): each locked AccessShareLock and checked
- * again under the lock, which keeps it as it was checked.  A registry
- * entry that names anything else is skipped without a word: a scraper
- * reads this, and idempotency.partitions and maintenance report it.
- */
-static List *
-trusted_unsealed_partitions(Oid claims, Snapshot snap)
-{
-	Relation	registry = table_open(idem_internal_relid("partition_registry"), AccessShareLock);
-	TupleDesc	desc = RelationGetDescr(registry);
-	TableScanDesc scan = table_beginscan(registry, snap, 0, NULL);
-	List	   *relids = NIL;
-	List	   *trusted = NIL;
-	HeapTuple	tup;
-	ListCell   *lc;
-
-	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
-	{
-		bool		isnull;
-		Oid			relid = DatumGetObjectId(heap_getattr(tup, REGISTRY_RELID_COL, desc, &isnull));
-
-		if (!DatumGetBool(heap_getattr(tup, REGISTRY_SEALED_COL, desc, &isnull)))
-			relids = lappend_oid(relids, relid);
-	}
-	table_endscan(scan);
-	table_close(registry, AccessShareLock);
-
-	foreach(lc, relids)
-	{
-		Oid			relid = lfirst_oid(lc);
-
-		/* not even locked unless it is ours: another owner's lock could stall us */
-		if (idem_relation_distrust(relid, claims) != NULL)
-			continue;
-		LockRelationOid(relid, AccessShareLock);
-		if (idem_relation_distrust(relid, claims) != NULL)
-		{
-			UnlockRelationOid(relid, AccessShareLock);
-			continue;
-		}
-		trusted = lappend_oid(trusted, relid);
-	}
-	list_free(relids);
-	return trusted;
-}
-
-/*
- * idempotency.live_scopes(): per scope, the claims of the unsealed
- * partitions, in the caller's snapshot -- the one in which the view reads
- * idempotency.scope_history, so a seal that committed is seen in both or
- * in neither.  A heap scan of each partition (scopes.c): nothing of a
- * partition is planned, so no rule, policy or index expression runs; and
- * no SECURITY DEFINER is needed, since reading in C checks no table
- * privilege (EXECUTE is granted to pg_monitor only).
- */
-Datum
-idem_live_scopes(PG_FUNCTION_ARGS)
-{
-	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	Oid			claims = idem_internal_relid("claims");
-	Snapshot	snap = GetActiveSnapshot();
-	HTAB	   *counts = idem_scope_counts_create();
-	List	   *parts;
-	ListCell   *lc;
-	HASH_SEQ_STATUS seq;
-	IdemScopeCount *c;
-
-	InitMaterializedSRF(fcinfo, 0);
-	parts = trusted_unsealed_partitions(claims, snap);
-	foreach(lc, parts)
-	{
-		Relation	rel = table_open(lfirst_oid(lc), NoLock);
-
-		idem_scope_counts_add(counts, rel, snap);
-		table_close(rel, NoLock);
-	}
-
-	hash_seq_init(&seq, counts);
-	while ((c = hash_seq_search(&seq)) != NULL)
-	{
-		Datum		values[4];
-		bool		nulls[4] = {false};
-
-		values[0] = CStringGetTextDatum(c->scope);
-		values[1] = TimestampTzGetDatum(c->first_claim_at);
-		values[2] = TimestampTzGetDatum(c->last_claim_at);
-		values[3] = Int64GetDatum(c->claims);
-		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
-	}
-	hash_destroy(counts);
-	list_free(parts);
-	return (Datum) 0;
 }
 
 /*---- set-up ----*/

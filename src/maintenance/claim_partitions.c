@@ -1,20 +1,12 @@
 /*-------------------------------------------------------------------------
  *
- * retention.c
- *	  Maintenance of the time partitions of idempotency.claims: creating
- *	  them ahead, extending the newest after a lag, sealing passed ones,
- *	  dropping expired ones; idem_configure() and idem_maintain().
- *
- * A round is a list of independent actions, each in its own
- * subtransaction: one object that cannot be handled (a partition another
- * object depends on, say) costs one reported row and the rest of the round
- * goes on.
+ * claim_partitions.c
+ *	  The claims store's step of a maintenance round: creating partitions
+ *	  of idempotency.claims ahead, extending the newest after a lag,
+ *	  sealing (or closing) passed ones, rebuilding filters, dropping expired
+ *	  ones.
  *
  * Locking rules:
- *	- Concurrent rounds are serialised by a transaction-level advisory lock
- *	  taken with try semantics: the loser returns at once.  idem_configure()
- *	  waits for it instead, and reads and validates the settings only once
- *	  it holds it, so two configurations never combine into an invalid one.
  *	- Creating a partition takes ShareUpdateExclusiveLock on the parent
  *	  (CREATE TABLE ... INHERITS), which claimers never lock, and holds
  *	  AccessExclusiveLock on the new table until commit, after the registry
@@ -53,16 +45,6 @@
  *	  partition) instead of dropping them outright, so a claim that a stale
  *	  claimer put into one is never lost.
  *
- * Who acts: a round runs as the extension's owner in a security-restricted
- * operation, whoever calls it (the worker, a role granted EXECUTE on
- * idem_maintain()), so the partitions it makes are the owner's; it acts
- * only on partitions that are ours (ownership.c: owner, kind, parent,
- * plain-column indexes) and reports any other as "skip ... (not ours:
- * ...)", reading nothing of it.  Seal and rebuild read a partition by
- * heap scans only (filters.c, scopes.c): no query is planned over it.
- * Its DDL waits at most IDEM_MAINTENANCE_LOCK_TIMEOUT_MS for a lock, then
- * the action is reported as "skip ... (in use)" and the round goes on.
- *
  * Claims never fail for want of a partition: when maintenance lags and no
  * partition covers the current time, claims go into the newest partition
  * (idem_target_partition()), and the next round extends that same
@@ -71,102 +53,40 @@
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
+#include "common/catalog.h"
+#include "maintenance/actions.h"
 
-#include "access/relation.h"
 #include "access/table.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
+#include "claims/filters.h"
+#include "claims/partitions.h"
+#include "claims/scopes.h"
+#include "claims/settings.h"
 #include "commands/extension.h"
-#include "common/pg_prng.h"
+#include "common/args.h"
+#include "common/spi.h"
 #include "executor/spi.h"
-#include "fmgr.h"
-#include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "storage/procarray.h"
-#include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
-#include "utils/datetime.h"
-#include "utils/guc.h"
+#include "utils/hsearch.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
-#include "utils/resowner.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 #include "utils/xid8.h"
-
-PG_FUNCTION_INFO_V1(idem_configure);
 
 /*
  * How long a round waits for the claims in flight when a partition was
  * closed (they take microseconds; a longer one is left for the next round).
  */
 #define IDEM_SEAL_WAIT_MS	1000
-PG_FUNCTION_INFO_V1(idem_maintain);
-
-/*---- SQL helpers ----*/
-
-/* Run one utility or DML statement through SPI, with arguments. */
-void
-idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected)
-{
-	int			rc = SPI_execute_with_args(sql, nargs, types, values, NULL, false, 0);
-
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_with_args failed (%d): %s", rc, sql);
-}
-
-/*
- * A new name for a partition of "prefix" starting at lower, schema-qualified
- * and quoted.  It carries the lower bound and a random suffix, so a restored
- * dump never collides with partitions that CREATE EXTENSION made in the
- * target database.
- */
-char *
-idem_partition_name(const char *prefix, TimestampTz lower)
-{
-	struct pg_tm tm;
-	fsec_t		fsec;
-	char		relname[NAMEDATALEN];
-
-	if (timestamp2tm(lower, NULL, &tm, &fsec, NULL, NULL) != 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_DATETIME_VALUE_OUT_OF_RANGE),
-				 errmsg("timestamp out of range")));
-	snprintf(relname, sizeof(relname), "%s_%04d%02d%02d_%02d%02d%02d_%08x", prefix,
-			 tm.tm_year, tm.tm_mon, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-			 (unsigned int) pg_prng_uint32(&pg_global_prng_state));
-	return psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
-}
-
-/*
- * Run DDL that creates data, not parts of the extension: pg_dump must dump
- * partitions like user tables, so even when the install script creates the
- * first ones, they must not become extension members.
- */
-void
-idem_exec_ddl_as_data(const char *sql)
-{
-	bool		save_creating = creating_extension;
-	Oid			save_extension = CurrentExtensionObject;
-
-	creating_extension = false;
-	CurrentExtensionObject = InvalidOid;
-	PG_TRY();
-	{
-		idem_spi_exec(sql, 0, NULL, NULL, SPI_OK_UTILITY);
-	}
-	PG_FINALLY();
-	{
-		creating_extension = save_creating;
-		CurrentExtensionObject = save_extension;
-	}
-	PG_END_TRY();
-}
 
 /* Create one partition of idempotency.claims for [lower, upper) and register it. */
 static void
@@ -190,23 +110,6 @@ create_partition(const char *qualified, TimestampTz lower, TimestampTz upper)
 
 /*---- a round and its actions ----*/
 
-void
-idem_report_action(MaintainReport *rep, const char *action, const char *object)
-{
-	Datum		values[2];
-	bool		nulls[2] = {false, false};
-
-	rep->nactions++;
-	if (rep->store == NULL)
-	{
-		elog(rep->elevel, "idempotency maintenance: %s %s", action, object);
-		return;
-	}
-	values[0] = CStringGetTextDatum(action);
-	values[1] = CStringGetTextDatum(object);
-	tuplestore_putvalues(rep->store, rep->desc, values, nulls);
-}
-
 /* What one round works from. */
 typedef struct Round
 {
@@ -227,66 +130,6 @@ partition_name(Oid relid)
 	if (relname == NULL)
 		return NULL;
 	return psprintf("%s.%s", IDEM_SCHEMA, quote_identifier(relname));
-}
-
-/*
- * Run one action in a subtransaction.  An error is reported as a row
- * ("skip <verb> (<message>)") and rolled back alone; the round goes on.
- */
-bool
-idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,
-				 IdemGuardedAction fn, void *arg)
-{
-	MemoryContext oldcxt = CurrentMemoryContext;
-	ResourceOwner oldowner = CurrentResourceOwner;
-	bool		done = false;
-
-	BeginInternalSubTransaction(NULL);
-	MemoryContextSwitchTo(oldcxt);
-	PG_TRY();
-	{
-		done = fn(arg);
-		ReleaseCurrentSubTransaction();
-		MemoryContextSwitchTo(oldcxt);
-		CurrentResourceOwner = oldowner;
-	}
-	PG_CATCH();
-	{
-		ErrorData  *edata;
-
-		MemoryContextSwitchTo(oldcxt);
-		edata = CopyErrorData();
-		FlushErrorState();
-		RollbackAndReleaseCurrentSubTransaction();
-		MemoryContextSwitchTo(oldcxt);
-		CurrentResourceOwner = oldowner;
-		/* a lock the round could not get in time: another session holds it */
-		idem_report_action(rep, psprintf("skip %s (%s)", verb,
-										 edata->sqlerrcode == ERRCODE_LOCK_NOT_AVAILABLE ?
-										 "in use" : edata->message),
-						   object);
-		FreeErrorData(edata);
-		done = false;
-	}
-	PG_END_TRY();
-	return done;
-}
-
-/*
- * May maintenance act on relid, a partition of parent?  Only if it is one
- * as we make them (ownership.c); else the action is reported as skipped,
- * with the reason, and nothing of the relation is read.
- */
-bool
-idem_partition_trusted(MaintainReport *rep, const char *verb, Oid relid, Oid parent,
-					   const char *name)
-{
-	const char *why = idem_relation_distrust(relid, parent);
-
-	if (why == NULL)
-		return true;
-	idem_report_action(rep, psprintf("skip %s (not ours: %s)", verb, why), name);
-	return false;
 }
 
 typedef struct PartitionActionCall
@@ -321,18 +164,6 @@ static TimestampTz
 add_seconds(TimestampTz t, int64 secs)
 {
 	return t + secs * USECS_PER_SEC;
-}
-
-/* The next boundary of the interval grid at least a second after now. */
-TimestampTz
-idem_next_boundary(TimestampTz now, int64 interval_secs)
-{
-	int64		iv = interval_secs * USECS_PER_SEC;
-	TimestampTz next = now - (now % iv) + iv;
-
-	if (next - now < USECS_PER_SEC)
-		next += iv;
-	return next;
 }
 
 static void
@@ -958,34 +789,6 @@ reshape_partitions(Round *r)
 	}
 }
 
-/*
- * Forget the rows of a registry (idempotency.<registry>, keyed by relid)
- * whose table was dropped by hand.
- */
-void
-idem_forget_missing(MaintainReport *rep, const char *registry)
-{
-	if (SPI_execute(psprintf("DELETE FROM %s.%s reg"
-							 " WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = reg.relid)"
-							 " RETURNING reg.relid::pg_catalog.oid::pg_catalog.text",
-							 IDEM_SCHEMA, registry),
-					false, 0) != SPI_OK_DELETE_RETURNING)
-		elog(ERROR, "could not update %s.%s", IDEM_SCHEMA, registry);
-	for (uint64 i = 0; i < SPI_processed; i++)
-		idem_report_action(rep, "forget missing partition",
-						   SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1));
-}
-
-/* Take the maintenance lock; false if busy and not waiting. */
-static bool
-lock_maintenance(bool wait)
-{
-	LOCKTAG		tag;
-
-	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, IDEM_LOCKTAG_MAINTAIN);
-	return LockAcquire(&tag, ExclusiveLock, false, !wait) != LOCKACQUIRE_NOT_AVAIL;
-}
-
 /* One maintenance round; returns false if another session holds the lock. */
 /* A copy of a partition set that outlives the next cache rebuild. */
 static IdemPartitionSet *
@@ -999,229 +802,44 @@ copy_partition_set(IdemPartitionSet *set)
 	return copy;
 }
 
-/* Who started the round now running (InvalidOid: none runs). */
-static Oid	round_caller = InvalidOid;
-
 /*
- * May the round honour its caller's settings where they let it drop more
- * (idempotency.outbox_keep_undelivered = off)?  Only if the caller has the
- * extension owner's rights: the round runs as that owner, and a role that
- * may only start rounds must not make one drop undelivered events.
+ * The claims store's step of a round (the caller holds the maintenance
+ * lock, acts as the extension's owner and is connected to SPI): reshape
+ * after partition_interval changed, create and extend, seal or close,
+ * rebuild filters set to NULL, drop what expired.  Each step works from
+ * the registry as the previous one left it.
  */
-bool
-idem_round_caller_trusted(void)
-{
-	return OidIsValid(round_caller) && has_privs_of_role(round_caller, idem_extension_owner());
-}
-
-/*
- * Act as the extension's owner for a round (see ownership.c), with a short
- * lock_timeout: the round's DDL (CREATE TABLE ... INHERITS, ATTACH
- * PARTITION) waits for any role that can LOCK a parent, and must never
- * wait long for one.  Called once the maintenance lock is held (its wait
- * is not bounded by that timeout).
- */
-static void
-begin_round_as_owner(IdemAsOwner *as)
-{
-	char		timeout[32];
-
-	idem_check_members_owned();
-	round_caller = GetUserId();
-	idem_become_owner(as);
-	snprintf(timeout, sizeof(timeout), "%d", IDEM_MAINTENANCE_LOCK_TIMEOUT_MS);
-	(void) set_config_option("lock_timeout", timeout, PGC_USERSET, PGC_S_SESSION,
-							 GUC_ACTION_SAVE, true, 0, false);
-}
-
-static bool
-maintain(MaintainReport *rep, bool wait, bool reshape)
+void
+idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now,
+							   bool reshape)
 {
 	Round		r;
 	IdemPartitionSet *before;
-	IdemAsOwner as;
 
-	if (!lock_maintenance(wait))
-		return false;
-
-	begin_round_as_owner(&as);
-	SPI_connect();
 	r.rep = rep;
-	r.s = idem_read_settings(GetLatestSnapshot());
-	r.now = idem_now();
+	r.s = *s;
+	r.now = now;
 	idem_forget_missing(rep, "partition_registry");
-
-	/* each step works from the registry as the previous one left it */
 	r.set = idem_partition_set_fresh();
 
 	/*
 	 * Inside CREATE or ALTER EXTENSION a round only makes what a store
-	 * lacks: an update leaves the claims partitions as they are and gives
-	 * the stores new in the version their first partitions.
+	 * lacks: an update leaves the claims partitions as they are.
 	 */
-	if (!creating_extension || r.set->nparts == 0)
+	if (creating_extension && r.set->nparts > 0)
+		return;
+	before = copy_partition_set(r.set);
+	if (reshape)
 	{
-		before = copy_partition_set(r.set);
-		if (reshape)
-		{
-			reshape_partitions(&r);
-			r.set = idem_partition_set_fresh();
-		}
-		ensure_partitions(&r);
+		reshape_partitions(&r);
 		r.set = idem_partition_set_fresh();
-		seal_passed(&r);
-		r.set = idem_partition_set_fresh();
-		rebuild_filters(&r);
-		r.set = idem_partition_set_fresh();
-		drop_expired(&r, before);
-		idem_filters_forget_others(idem_partition_set_fresh());
 	}
-	idem_stores_maintain(rep, &r.s, r.now);
-	SPI_finish();
-	idem_unbecome_owner(&as);
-	round_caller = InvalidOid;
-	idem_stats_maintained();
-	return true;
-}
-
-/*
- * One maintenance round for callers outside SQL (the background worker),
- * which must have a transaction and an active snapshot.  Each action is
- * logged at elevel.  Returns the number of actions, or -1 if another
- * session was maintaining this database.
- */
-int
-idem_maintain_round(int elevel)
-{
-	MaintainReport rep = {NULL, NULL, elevel, 0};
-
-	if (!maintain(&rep, false, false))
-		return -1;
-	return rep.nactions;
-}
-
-/*---- settings ----*/
-
-/* Error out unless a configuration is one the claim path can serve. */
-static void
-validate_settings(const IdemSettings *s)
-{
-	int64		live;
-
-	if (s->interval < 1)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("partition_interval must be at least 1 second")));
-	if (s->interval > IDEM_MAX_INTERVAL_SECS)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("partition_interval must not exceed %d years", IDEM_MAX_INTERVAL_YEARS)));
-	if (s->retention > IDEM_MAX_RETENTION_SECS)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("retention must not exceed %d years", IDEM_MAX_RETENTION_YEARS)));
-	if (s->retention < s->interval)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("retention must not be shorter than partition_interval"),
-				 errdetail("retention is %lld seconds, partition_interval %lld seconds.",
-						   (long long) s->retention, (long long) s->interval)));
-	if (s->premake < 1 || s->premake > IDEM_MAX_PREMAKE)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("premake must be between 1 and %d", IDEM_MAX_PREMAKE)));
-
-	/* live partitions: the retention window, the current one, premade ones */
-	live = (s->retention + s->interval - 1) / s->interval + 1 + s->premake;
-	if (live > IDEM_MAX_LIVE_PARTITIONS)
-	{
-		int			room = IDEM_MAX_LIVE_PARTITIONS - 1 - s->premake;
-
-		if (room < 1)
-			ereport(ERROR,
-					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("too many live partitions: premake %d leaves no room for the retention window",
-							s->premake),
-					 errdetail("At most %d partitions may be live at once.", IDEM_MAX_LIVE_PARTITIONS)));
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("too many live partitions: %lld, at most %d",
-						(long long) live, IDEM_MAX_LIVE_PARTITIONS),
-				 errdetail("Every claim consults each live partition; retention %lld s over partition_interval %lld s, plus premake %d, is too many.",
-						   (long long) s->retention, (long long) s->interval, s->premake),
-				 errhint("Use a partition_interval of at least %lld seconds.",
-						 (long long) ((s->retention + room - 1) / room))));
-	}
-}
-
-/*
- * idem_configure(retention, partition_interval, premake): validate, store,
- * and create the partitions the new settings call for.  NULL keeps a value.
- */
-Datum
-idem_configure(PG_FUNCTION_ARGS)
-{
-	IdemSettings s;
-	int64		old_interval;
-	Oid			types[3] = {INTERVALOID, INTERVALOID, INT4OID};
-	Datum		values[3];
-	IdemAsOwner as;
-	MaintainReport rep = {NULL, NULL, DEBUG1, 0};
-
-	/* validate against the settings no other configuration can change now */
-	lock_maintenance(true);
-	idem_become_owner(&as);
-	SPI_connect();
-	s = idem_read_settings(GetLatestSnapshot());
-	old_interval = s.interval;
-	if (!PG_ARGISNULL(0))
-		s.retention_iv = *PG_GETARG_INTERVAL_P(0);
-	if (!PG_ARGISNULL(1))
-	{
-		s.interval_iv = *PG_GETARG_INTERVAL_P(1);
-		if (s.interval_iv.time % USECS_PER_SEC != 0)
-			ereport(ERROR,
-					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("partition_interval must be a whole number of seconds")));
-	}
-	if (!PG_ARGISNULL(2))
-		s.premake = PG_GETARG_INT32(2);
-	s.retention = idem_interval_seconds(&s.retention_iv);
-	s.interval = idem_interval_seconds(&s.interval_iv);
-	validate_settings(&s);
-
-	/* store intervals as given; NULL kept the stored (or default) value */
-	values[0] = IntervalPGetDatum(&s.retention_iv);
-	values[1] = IntervalPGetDatum(&s.interval_iv);
-	values[2] = Int32GetDatum(s.premake);
-	if (SPI_execute_with_args("INSERT INTO idempotency.settings (retention, partition_interval, premake)"
-							  " VALUES ($1, $2, $3)"
-							  " ON CONFLICT (singleton) DO UPDATE"
-							  " SET retention = $1, partition_interval = $2, premake = $3",
-							  3, types, values, NULL, false, 0) != SPI_OK_INSERT)
-		elog(ERROR, "could not update idempotency.settings");
-	SPI_finish();
-	idem_unbecome_owner(&as);
-
-	/* new settings take effect now; the round's actions are logged */
-	maintain(&rep, true, s.interval != old_interval);
-	PG_RETURN_VOID();
-}
-
-/*
- * idem_maintain(): one maintenance round, one row per action taken.  Returns
- * no rows at once if another session is maintaining this database.
- */
-Datum
-idem_maintain(PG_FUNCTION_ARGS)
-{
-	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	MaintainReport rep;
-
-	InitMaterializedSRF(fcinfo, 0);
-	rep.store = rsinfo->setResult;
-	rep.desc = rsinfo->setDesc;
-	rep.nactions = 0;
-	maintain(&rep, false, false);
-	return (Datum) 0;
+	ensure_partitions(&r);
+	r.set = idem_partition_set_fresh();
+	seal_passed(&r);
+	r.set = idem_partition_set_fresh();
+	rebuild_filters(&r);
+	r.set = idem_partition_set_fresh();
+	drop_expired(&r, before);
+	idem_filters_forget_others(idem_partition_set_fresh());
 }
