@@ -799,8 +799,6 @@ idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname)
 }
 
 /* Byte order of keys, for claiming a batch in a canonical order. */
-static text **sort_keys_base;
-
 static int
 key_cmp(text *ka, text *kb)
 {
@@ -813,12 +811,14 @@ key_cmp(text *ka, text *kb)
 	return la < lb ? -1 : (la > lb ? 1 : 0);
 }
 
+/* qsort_arg comparator of indexes into the keys (arg) */
 static int
-key_index_cmp(const void *a, const void *b)
+key_index_cmp(const void *a, const void *b, void *arg)
 {
+	text	  **keys = arg;
 	int			ia = *(const int *) a;
 	int			ib = *(const int *) b;
-	int			c = key_cmp(sort_keys_base[ia], sort_keys_base[ib]);
+	int			c = key_cmp(keys[ia], keys[ib]);
 
 	/* equal keys: first occurrence first */
 	return c != 0 ? c : ia - ib;
@@ -876,8 +876,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	claimed = palloc0(sizeof(bool) * Max(nelems, 1));
 	for (int i = 0; i < nelems; i++)
 		order[i] = i;
-	sort_keys_base = keys;
-	qsort(order, nelems, sizeof(int), key_index_cmp);
+	qsort_arg(order, nelems, sizeof(int), key_index_cmp, keys);
 
 	/*
 	 * Claim in byte order, each distinct key once (at its first occurrence),

@@ -89,8 +89,12 @@ typedef struct FilterHeader
 #define IDEM_FILTER_MAX_ENTRIES	4096
 
 /*---- GUC variables ----*/
-static int	idem_filter_memory_kb = 64 * 1024;
-static int	idem_local_filter_memory_kb = 16 * 1024;
+#define FILTER_MEMORY_KB_DEFAULT		(64 * 1024)
+#define LOCAL_FILTER_MEMORY_KB_DEFAULT	(16 * 1024)
+#define FILTER_MEMORY_KB_MAX			(INT_MAX / 2)
+
+static int	idem_filter_memory_kb = FILTER_MEMORY_KB_DEFAULT;
+static int	idem_local_filter_memory_kb = LOCAL_FILTER_MEMORY_KB_DEFAULT;
 
 /*---- the shared area ----*/
 typedef struct FilterEntry
@@ -750,7 +754,7 @@ idem_filters_init(void)
 							"Backend memory for Bloom filters when the library is not preloaded.",
 							NULL,
 							&idem_local_filter_memory_kb,
-							16 * 1024, 0, INT_MAX / 2,
+							LOCAL_FILTER_MEMORY_KB_DEFAULT, 0, FILTER_MEMORY_KB_MAX,
 							PGC_USERSET,
 							GUC_UNIT_KB,
 							NULL, NULL, NULL);
@@ -762,7 +766,7 @@ idem_filters_init(void)
 							"Shared memory for the Bloom filters of sealed partitions.",
 							"Used when the library is in shared_preload_libraries; about 1.25 bytes per retained claim.",
 							&idem_filter_memory_kb,
-							64 * 1024, 0, INT_MAX / 2,
+							FILTER_MEMORY_KB_DEFAULT, 0, FILTER_MEMORY_KB_MAX,
 							PGC_POSTMASTER,
 							GUC_UNIT_KB,
 							NULL, NULL, NULL);

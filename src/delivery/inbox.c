@@ -4,7 +4,7 @@
  *	  The inbox: idem_inbox_receive() stores a message once per (source,
  *	  message_id) in the caller's transaction; workers lease messages with
  *	  idem_inbox_claim() and settle them with done and fail;
- *	  idem_inbox_replay() makes processed messages claimable again.
+ *	  idem_inbox_replay() makes processed messages leasable again.
  *
  * Dedup is a claim (claims.c, idem_claim_key) of message_id in scope
  * 'inbox:<source>': the same uniqueness, retention, payload check (IK001)
@@ -25,7 +25,7 @@
  * leased live and not waiting for retry_at; of an ordering key, only its
  * head (no earlier message of the key is left undone) is a candidate.  A
  * head is handed out with the run of the key's messages after it, in seq
- * order, up to the first that is not claimable; a key with a live lease on
+ * order, up to the first that is not leasable; a key with a live lease on
  * any of its messages (possible after a replay) is left alone.  The
  * lease-time rules are the outbox's (leases.c): an expired lease ends the
  * attempt as failed, and a message handed out inbox_max_attempts times
@@ -90,15 +90,14 @@ PG_FUNCTION_INFO_V1(idem_inbox_replay);
 #define INBOX_SCOPE_PREFIX		"inbox:"
 #define INBOX_MAX_SOURCE_BYTES	(IDEM_MAX_SCOPE_BYTES - (int) strlen(INBOX_SCOPE_PREFIX))
 
-/* most messages one claim hands out */
-#define INBOX_MAX_BATCH			10000
-
 /* candidate queries one claim runs at most while its batch is not full */
 #define INBOX_CLAIM_ROUNDS		8
 
 /*---- settings ----*/
 
-static int	inbox_max_attempts = 10;
+#define INBOX_MAX_ATTEMPTS_DEFAULT	10
+
+static int	inbox_max_attempts = INBOX_MAX_ATTEMPTS_DEFAULT;
 
 void
 idem_inbox_init(void)
@@ -107,7 +106,7 @@ idem_inbox_init(void)
 							"Failed attempts after which an inbox message is dead-lettered.",
 							NULL,
 							&inbox_max_attempts,
-							10, 1, 1000,
+							INBOX_MAX_ATTEMPTS_DEFAULT, 1, IDEM_MAX_ATTEMPTS,
 							PGC_USERSET, 0,
 							NULL, NULL, NULL);
 }
@@ -119,7 +118,7 @@ idem_inbox_init(void)
 	"SELECT m.id, m.bucket, m.source, m.ordering_key, m.seq, m.attempts," \
 	" m.lease_until, m.retry_at, m.dead_at IS NOT NULL, m.last_error"
 
-/* a message claimable now ($1) */
+/* a message leasable now ($1) */
 #define CLAIMABLE \
 	" m.done_at IS NULL AND m.dead_at IS NULL" \
 	" AND (m.lease_until IS NULL OR m.lease_until <= $1)" \
@@ -449,7 +448,7 @@ read_state(uint64 row, MessageState *m)
 	m->dead = DatumGetBool(idem_spi_col(row, 9, &isnull));
 }
 
-typedef struct Claim
+typedef struct LeaseCall
 {
 	int32		batch;
 	TimestampTz now;
@@ -463,10 +462,10 @@ typedef struct Claim
 	Datum	   *ids;
 	Datum	   *buckets;
 	int			n;
-} Claim;
+} LeaseCall;
 
 static void
-take(Claim *c, MessageState *m)
+take(LeaseCall *c, MessageState *m)
 {
 	c->ids[c->n] = UUIDPGetDatum(&m->id);
 	c->buckets[c->n] = Int32GetDatum(m->bucket);
@@ -479,7 +478,7 @@ take(Claim *c, MessageState *m)
  * Returns true if it died.
  */
 static bool
-died_of_expiry(Claim *c, MessageState *m)
+died_of_expiry(LeaseCall *c, MessageState *m)
 {
 	Datum		values[3];
 
@@ -493,9 +492,9 @@ died_of_expiry(Claim *c, MessageState *m)
 	return true;
 }
 
-/* Is the message claimable now (of a run: the head was, the rest may not be)? */
+/* Is the message leasable now (of a run: the head was, the rest may not be)? */
 static bool
-claimable(Claim *c, MessageState *m)
+leasable(LeaseCall *c, MessageState *m)
 {
 	if (m->dead || (m->leased && m->lease_until > c->now) ||
 		(m->waiting && m->retry_at > c->now))
@@ -505,11 +504,11 @@ claimable(Claim *c, MessageState *m)
 
 /*
  * Hand out a key's head and the run after it: its undone messages in seq
- * order, up to the first that is not claimable or the end of the batch.
+ * order, up to the first that is not leasable or the end of the batch.
  * The rows of the run read here stay locked to the end of the transaction.
  */
 static void
-take_run(Claim *c, MessageState *head)
+take_run(LeaseCall *c, MessageState *head)
 {
 	Datum		values[4];
 	uint64		got;
@@ -520,7 +519,7 @@ take_run(Claim *c, MessageState *head)
 	values[2] = TimestampTzGetDatum(c->now);
 	if (inbox_exec(ST_KEY_LEASED, values, NULL, SPI_OK_SELECT) > 0)
 		return;
-	if (!claimable(c, head))
+	if (!leasable(c, head))
 		return;
 	take(c, head);
 	if (c->taken + c->n >= c->batch)
@@ -533,7 +532,7 @@ take_run(Claim *c, MessageState *head)
 		read_state(r, &run[r]);
 	for (uint64 r = 0; r < got; r++)
 	{
-		if (!claimable(c, &run[r]))
+		if (!leasable(c, &run[r]))
 			break;
 		take(c, &run[r]);
 	}
@@ -541,7 +540,7 @@ take_run(Claim *c, MessageState *head)
 
 /* Lease what this round took and return it; the rows are locked by us. */
 static void
-lease_taken(Claim *c)
+lease_taken(LeaseCall *c)
 {
 	Datum		values[4];
 	uint64		got;
@@ -569,7 +568,7 @@ lease_taken(Claim *c)
 
 /* One candidate query and what follows; false if there is nothing more. */
 static bool
-claim_round(Claim *c)
+lease_round(LeaseCall *c)
 {
 	Datum		values[3];
 	char		nulls[3] = {' ', ' ', ' '};
@@ -593,7 +592,7 @@ claim_round(Claim *c)
 	{
 		if (cands[r].key != NULL)
 			take_run(c, &cands[r]);
-		else if (claimable(c, &cands[r]))
+		else if (leasable(c, &cands[r]))
 			take(c, &cands[r]);
 	}
 	lease_taken(c);
@@ -608,10 +607,10 @@ claim_round(Claim *c)
 Datum
 idem_inbox_claim(PG_FUNCTION_ARGS)
 {
-	Claim		c = {0};
+	LeaseCall		c = {0};
 	int64		lease;
 
-	c.batch = idem_batch_arg(fcinfo, 0, "batch", INBOX_MAX_BATCH);
+	c.batch = idem_batch_arg(fcinfo, 0, "batch", IDEM_MAX_BATCH);
 	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
 	if (!PG_ARGISNULL(2))
 	{
@@ -632,7 +631,7 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 	{
 		int			before = c.taken;
 
-		if (!claim_round(&c) || c.taken == before)
+		if (!lease_round(&c) || c.taken == before)
 			break;
 	}
 	SPI_finish();
@@ -699,7 +698,7 @@ idem_inbox_done(PG_FUNCTION_ARGS)
 
 /*
  * idem_inbox_fail(id, error, retry_after = NULL, lease_token = NULL):
- * record a failed attempt and end the lease.  The message is claimable
+ * record a failed attempt and end the lease.  The message is leasable
  * again after retry_after (default: the backoff), or dead if that was its
  * last attempt.  Nothing happens to a message that is done or dead, or
  * whose live lease the token is not.
@@ -799,7 +798,7 @@ idem_inbox_extend(PG_FUNCTION_ARGS)
 
 /*
  * idem_inbox_replay(source, since, until = now()): make the done and dead
- * messages of source received in [since, until) claimable again, attempts
+ * messages of source received in [since, until) leasable again, attempts
  * reset; returns how many.  Their claims stay: receiving them again is
  * still a duplicate.
  */

@@ -153,11 +153,11 @@ static const struct config_enum_entry mode_options[] = {
 	{NULL, 0, false}
 };
 
-int			outbox_max_attempts = 10;
-static bool outbox_keep_undelivered = true;
-int			outbox_dead_policy = DEAD_BLOCK;
-int			outbox_notify = NOTIFY_COMMIT;
-int			outbox_mode = MODE_TABLE;
+int			outbox_max_attempts = OUTBOX_MAX_ATTEMPTS_DEFAULT;
+static bool outbox_keep_undelivered = OUTBOX_KEEP_UNDELIVERED_DEFAULT;
+int			outbox_dead_policy = OUTBOX_DEAD_POLICY_DEFAULT;
+int			outbox_notify = OUTBOX_NOTIFY_DEFAULT;
+int			outbox_mode = OUTBOX_MODE_DEFAULT;
 
 void
 idem_outbox_init(void)
@@ -169,35 +169,35 @@ idem_outbox_init(void)
 							"Failed attempts after which an outbox event is dead-lettered.",
 							NULL,
 							&outbox_max_attempts,
-							10, 1, 1000,
+							OUTBOX_MAX_ATTEMPTS_DEFAULT, 1, IDEM_MAX_ATTEMPTS,
 							PGC_USERSET, 0,
 							NULL, NULL, NULL);
 	DefineCustomBoolVariable("idempotency.outbox_keep_undelivered",
 							 "Whether maintenance keeps outbox partitions that hold undelivered or dead-lettered events.",
 							 "Turn off where no relay acks (change data capture reads the events from the WAL).",
 							 &outbox_keep_undelivered,
-							 true,
+							 OUTBOX_KEEP_UNDELIVERED_DEFAULT,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_dead_policy",
 							 "What a dead-lettered event does to the rest of its aggregate: block or skip.",
 							 NULL,
 							 &outbox_dead_policy,
-							 DEAD_BLOCK, dead_policy_options,
+							 OUTBOX_DEAD_POLICY_DEFAULT, dead_policy_options,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_notify",
 							 "Whether emitting transactions send NOTIFY idempotency_outbox at commit: commit or off.",
 							 NULL,
 							 &outbox_notify,
-							 NOTIFY_COMMIT, notify_options,
+							 OUTBOX_NOTIFY_DEFAULT, notify_options,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_mode",
 							 "Where emitted events go: table, wal (logical decoding messages only) or both.",
 							 NULL,
 							 &outbox_mode,
-							 MODE_TABLE, mode_options,
+							 OUTBOX_MODE_DEFAULT, mode_options,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
 }

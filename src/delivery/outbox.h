@@ -25,9 +25,6 @@
 #define OUTBOX_MAX_TYPE_BYTES	IDEM_MAX_SCOPE_BYTES
 #define OUTBOX_MAX_EVENT_TYPE_BYTES	255
 
-/* most events one claim hands out */
-#define OUTBOX_MAX_BATCH		10000
-
 /* rows a claim reads from its cursor at a time */
 #define OUTBOX_SCAN_CHUNK		256
 
@@ -38,6 +35,12 @@
 #define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
 
 /*---- settings (outbox.c) ----*/
+
+#define OUTBOX_MAX_ATTEMPTS_DEFAULT	10
+#define OUTBOX_KEEP_UNDELIVERED_DEFAULT	true
+#define OUTBOX_DEAD_POLICY_DEFAULT	DEAD_BLOCK
+#define OUTBOX_NOTIFY_DEFAULT		NOTIFY_COMMIT
+#define OUTBOX_MODE_DEFAULT			MODE_TABLE
 
 typedef enum
 {

@@ -49,16 +49,16 @@ PG_FUNCTION_INFO_V1(idem_outbox_claim);
 /*---- claiming ----*/
 
 /* An event read by a claim, kept until the claim returns it. */
-typedef struct ClaimEvent
+typedef struct LeasedEvent
 {
 	int64		seq;
 	HeapTuple	tup;			/* id, event_type, payload, headers, created_at */
 	TupleDesc	desc;			/* ... from attribute number "col" on */
 	int			col;
-} ClaimEvent;
+} LeasedEvent;
 
 /* Everything one idem_outbox_claim() call works with. */
-typedef struct Claim
+typedef struct LeaseCall
 {
 	int			batch;
 	int			taken;			/* events handed out so far */
@@ -70,10 +70,10 @@ typedef struct Claim
 	char	  **type_names;
 	int			ntype_names;
 	ReturnSetInfo *rsinfo;
-} Claim;
+} LeaseCall;
 
 static bool
-type_wanted(Claim *c, const char *type)
+type_wanted(LeaseCall *c, const char *type)
 {
 	if (!c->has_types)
 		return true;
@@ -84,7 +84,7 @@ type_wanted(Claim *c, const char *type)
 }
 
 static void
-emit_claimed(Claim *c, Delivery *d, ClaimEvent *ev)
+put_leased(LeaseCall *c, Delivery *d, LeasedEvent *ev)
 {
 	OutboxEvent out;
 	Datum		values[11];
@@ -105,20 +105,20 @@ emit_claimed(Claim *c, Delivery *d, ClaimEvent *ev)
 }
 
 static int
-claim_event_cmp(const void *a, const void *b)
+leased_event_cmp(const void *a, const void *b)
 {
-	int64		x = ((const ClaimEvent *) a)->seq;
-	int64		y = ((const ClaimEvent *) b)->seq;
+	int64		x = ((const LeasedEvent *) a)->seq;
+	int64		y = ((const LeasedEvent *) b)->seq;
 
 	return x < y ? -1 : (x > y ? 1 : 0);
 }
 
 /* The aggregate's undelivered events from the index, in seq order. */
-static ClaimEvent *
-fetch_run(Claim *c, Delivery *d, int *n)
+static LeasedEvent *
+fetch_run(LeaseCall *c, Delivery *d, int *n)
 {
 	Datum		values[4];
-	ClaimEvent *evs;
+	LeasedEvent *evs;
 	uint64		got;
 
 	values[0] = CStringGetTextDatum(d->aggregate_type);
@@ -126,7 +126,7 @@ fetch_run(Claim *c, Delivery *d, int *n)
 	values[2] = Int64GetDatum(d->acked);
 	values[3] = Int32GetDatum(c->batch - c->taken);
 	got = outbox_exec(ST_RUN, values, NULL, SPI_OK_SELECT);
-	evs = palloc(sizeof(ClaimEvent) * Max(got, 1));
+	evs = palloc(sizeof(LeasedEvent) * Max(got, 1));
 	for (uint64 r = 0; r < got; r++)
 	{
 		bool		isnull;
@@ -148,7 +148,7 @@ fetch_run(Claim *c, Delivery *d, int *n)
  * head; inside a run, the run stops before it.
  */
 static void
-take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
+take_run(LeaseCall *c, Delivery *d, LeasedEvent *evs, int nevs)
 {
 	int			first = -1;
 	int			count = 0;
@@ -173,7 +173,7 @@ take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
 
 	if (evs != NULL)
 	{
-		qsort(evs, nevs, sizeof(ClaimEvent), claim_event_cmp);
+		qsort(evs, nevs, sizeof(LeasedEvent), leased_event_cmp);
 		for (first = 0; first < nevs && evs[first].seq <= d->acked; first++)
 			;
 		/* the scan has not reached the head: ask the index */
@@ -232,14 +232,14 @@ take_run(Claim *c, Delivery *d, ClaimEvent *evs, int nevs)
 	{
 		if (evs[i].seq != expect)
 			continue;
-		emit_claimed(c, d, &evs[i]);
+		put_leased(c, d, &evs[i]);
 		expect++;
 	}
 }
 
 /* Parked aggregates whose time has come (and, under 'skip', dead ones). */
 static void
-claim_parked(Claim *c, OutboxStatement st)
+lease_parked(LeaseCall *c, OutboxStatement st)
 {
 	Datum		values[3];
 	char		nulls[3] = {' ', ' ', ' '};
@@ -371,7 +371,7 @@ typedef struct Candidate
 	bool		tried;			/* a lease was attempted */
 	int			nevents;
 	int			cap;
-	ClaimEvent *events;
+	LeasedEvent *events;
 } Candidate;
 
 /* The candidates of a page, by aggregate, and in the order met. */
@@ -459,8 +459,8 @@ candidate_add_event(Candidate *cand, HeapTuple tup, TupleDesc desc, int64 seq)
 	if (cand->nevents == cand->cap)
 	{
 		cand->cap = cand->cap == 0 ? 4 : cand->cap * 2;
-		cand->events = cand->events == NULL ? palloc(sizeof(ClaimEvent) * cand->cap)
-			: repalloc(cand->events, sizeof(ClaimEvent) * cand->cap);
+		cand->events = cand->events == NULL ? palloc(sizeof(LeasedEvent) * cand->cap)
+			: repalloc(cand->events, sizeof(LeasedEvent) * cand->cap);
 	}
 	cand->events[cand->nevents].seq = seq;
 	cand->events[cand->nevents].tup = tup;
@@ -476,7 +476,7 @@ candidate_add_event(Candidate *cand, HeapTuple tup, TupleDesc desc, int64 seq)
  * locked row stays locked to the other relays until we commit).
  */
 static void
-lease_candidates(Claim *c, CandidateSet *cs)
+lease_candidates(LeaseCall *c, CandidateSet *cs)
 {
 	char	  **types = palloc(sizeof(char *) * Max(cs->nlist, 1));
 	char	  **ids = palloc(sizeof(char *) * Max(cs->nlist, 1));
@@ -554,7 +554,7 @@ typedef struct EventScan
  * if it is leased (by this claim too) or locked.  Returns the page's rows.
  */
 static uint64
-scan_page(Claim *c, EventScan *st)
+scan_page(LeaseCall *c, EventScan *st)
 {
 	CandidateSet cs = {0};
 	SPITupleTable *tt;
@@ -621,7 +621,7 @@ scan_page(Claim *c, EventScan *st)
  * pending.
  */
 static void
-claim_by_cursor(Claim *c)
+lease_by_cursor(LeaseCall *c)
 {
 	OutboxPos	horizon = event_horizon();
 	OutboxPos	from = read_cursor();
@@ -651,10 +651,10 @@ claim_by_cursor(Claim *c)
 Datum
 idem_outbox_claim(PG_FUNCTION_ARGS)
 {
-	Claim		c = {0};
+	LeaseCall		c = {0};
 	int64		lease;
 
-	c.batch = idem_batch_arg(fcinfo, 0, "batch", OUTBOX_MAX_BATCH);
+	c.batch = idem_batch_arg(fcinfo, 0, "batch", IDEM_MAX_BATCH);
 	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
 	if (!PG_ARGISNULL(2))
 	{
@@ -674,11 +674,11 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	idem_lease_token(&c.token);
 
 	SPI_connect();
-	claim_parked(&c, ST_PARKED_DUE);
+	lease_parked(&c, ST_PARKED_DUE);
 	if (outbox_dead_policy == DEAD_SKIP && c.taken < c.batch)
-		claim_parked(&c, ST_PARKED_DEAD);
+		lease_parked(&c, ST_PARKED_DEAD);
 	if (c.taken < c.batch)
-		claim_by_cursor(&c);
+		lease_by_cursor(&c);
 	SPI_finish();
 	return (Datum) 0;
 }

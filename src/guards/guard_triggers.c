@@ -80,7 +80,9 @@
 
 /*---- GUC variables ----*/
 
-static int	guard_log_level = DEBUG1;
+#define GUARD_LOG_LEVEL_DEFAULT	DEBUG1
+
+static int	guard_log_level = GUARD_LOG_LEVEL_DEFAULT;
 
 static const struct config_enum_entry guard_log_level_options[] = {
 	{"debug5", DEBUG5, false},
@@ -860,7 +862,7 @@ idem_guards_init(void)
 							 "Skips are normal under at-least-once delivery, so the default is debug1; "
 							 "set log to audit them.",
 							 &guard_log_level,
-							 DEBUG1,
+							 GUARD_LOG_LEVEL_DEFAULT,
 							 guard_log_level_options,
 							 PGC_SUSET,
 							 0,

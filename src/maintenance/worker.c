@@ -87,7 +87,10 @@
 /*---- GUC variables ----*/
 
 static char *idem_worker_databases = NULL;	/* idempotency.database */
-static int	idem_worker_naptime = 60;	/* idempotency.naptime, seconds */
+#define NAPTIME_DEFAULT_SECS	60
+#define NAPTIME_MAX_SECS		(INT_MAX / 1000)
+
+static int	idem_worker_naptime = NAPTIME_DEFAULT_SECS;	/* idempotency.naptime */
 
 /*---- launcher state ----*/
 
@@ -184,7 +187,7 @@ idem_worker_init(void)
 							"Time between maintenance rounds of the background worker.",
 							NULL,
 							&idem_worker_naptime,
-							60, 1, INT_MAX / 1000,
+							NAPTIME_DEFAULT_SECS, 1, NAPTIME_MAX_SECS,
 							PGC_SIGHUP,
 							GUC_UNIT_S,
 							NULL, NULL, NULL);

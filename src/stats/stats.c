@@ -142,9 +142,14 @@ typedef struct StatsArea
 	StatsEntry *databases[IDEM_STATS_DATABASES];	/* the overflow rows */
 } StatsArea;
 
-static int	stats_max_scopes = 1000;
-static bool stats_track = true;
-static bool stats_sandbox = false;
+#define STATS_MAX_SCOPES_DEFAULT	1000
+#define STATS_MAX_SCOPES_MAX		1000000
+#define STATS_TRACK_DEFAULT			true
+#define STATS_SANDBOX_DEFAULT		false
+
+static int	stats_max_scopes = STATS_MAX_SCOPES_DEFAULT;
+static bool stats_track = STATS_TRACK_DEFAULT;
+static bool stats_sandbox = STATS_SANDBOX_DEFAULT;
 static StatsArea *stats_area = NULL;
 static HTAB *stats_hash = NULL;
 
@@ -957,7 +962,7 @@ idem_stats_init(void)
 							 "Counts claims, duplicates and guarded writes for idempotency.stats.",
 							 "Has effect only when the library is in shared_preload_libraries.",
 							 &stats_track,
-							 true,
+							 STATS_TRACK_DEFAULT,
 							 PGC_SUSET,
 							 0,
 							 NULL, NULL, NULL);
@@ -966,7 +971,7 @@ idem_stats_init(void)
 							 "Payload mismatches, request conflicts and stale or invalid guarded writes count only if they commit.",
 							 "idem_check_replay() sets it for its runs, which all roll back.",
 							 &stats_sandbox,
-							 false,
+							 STATS_SANDBOX_DEFAULT,
 							 PGC_USERSET,
 							 GUC_NOT_IN_SAMPLE,
 							 NULL, NULL, NULL);
@@ -979,7 +984,7 @@ idem_stats_init(void)
 							"All databases together, each keeping a fair share when rows run out; "
 							"others count in their database's overflow row.",
 							&stats_max_scopes,
-							1000, 0, 1000000,
+							STATS_MAX_SCOPES_DEFAULT, 0, STATS_MAX_SCOPES_MAX,
 							PGC_POSTMASTER,
 							0,
 							NULL, NULL, NULL);
