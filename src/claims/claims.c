@@ -153,11 +153,8 @@ typedef struct ProbeResult
 static text *
 checked_scope(FunctionCallInfo fcinfo, int argno)
 {
-	text	   *scope;
+	text	   *scope = idem_text_arg(fcinfo, argno, "scope");
 
-	if (PG_ARGISNULL(argno))
-		idem_null_argument("scope");
-	scope = PG_GETARG_TEXT_PP(argno);
 	idem_check_scope(scope, IDEM_MAX_SCOPE_BYTES);
 	return scope;
 }
@@ -169,9 +166,7 @@ checked_scope(FunctionCallInfo fcinfo, int argno)
 static void
 claim_key_args(FunctionCallInfo fcinfo, int argno, ClaimKey *ck)
 {
-	if (PG_ARGISNULL(argno))
-		idem_null_argument("key");
-	ck->key = PG_GETARG_TEXT_PP(argno);
+	ck->key = idem_text_arg(fcinfo, argno, "key");
 	idem_check_key(ck->key);
 	ck->scope = checked_scope(fcinfo, argno + 1);
 	ck->hash = idem_key_hash(ck->scope, ck->key);

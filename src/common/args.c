@@ -29,6 +29,15 @@ idem_null_argument(const char *what)
 			 errmsg("%s must not be null", what)));
 }
 
+/* A text argument that must not be NULL. */
+text *
+idem_text_arg(FunctionCallInfo fcinfo, int argno, const char *what)
+{
+	if (PG_ARGISNULL(argno))
+		idem_null_argument(what);
+	return PG_GETARG_TEXT_PP(argno);
+}
+
 /* A name: not empty, at most maxbytes. */
 char *
 idem_check_name(text *t, const char *what, int maxbytes)

@@ -24,6 +24,7 @@
 
 extern void idem_null_argument(const char *what) pg_attribute_noreturn();
 extern void idem_check_not_null(FunctionCallInfo fcinfo, int argno, const char *argname);
+extern text *idem_text_arg(FunctionCallInfo fcinfo, int argno, const char *what);
 extern char *idem_check_name(text *t, const char *what, int maxbytes);
 extern char *idem_name_arg(FunctionCallInfo fcinfo, int argno, const char *what, int maxbytes);
 extern Jsonb *idem_check_object(Jsonb *j, const char *what);

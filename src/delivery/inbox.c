@@ -610,13 +610,10 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 	LeaseCall		c = {0};
 	int64		lease;
 
-	c.batch = idem_batch_arg(fcinfo, 0, "batch", IDEM_MAX_BATCH);
-	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
-	if (!PG_ARGISNULL(2))
-	{
-		Datum	   *elems;
+	Datum	   *elems;
 
-		(void) idem_array_arg(fcinfo, 2, "sources", TEXTOID, &elems);
+	if (idem_lease_batch_args(fcinfo, &c.batch, &lease, "sources", &elems) >= 0)
+	{
 		c.sources = PG_GETARG_DATUM(2);
 		c.has_sources = true;
 	}
@@ -718,13 +715,7 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 	bool		settled;
 	TimestampTz retry_at = 0;
 
-	if (PG_ARGISNULL(0))
-		idem_null_argument("id");
-	if (PG_ARGISNULL(1))
-		idem_null_argument("error");
-	id = PG_GETARG_UUID_P(0);
-	error = text_to_cstring(PG_GETARG_TEXT_PP(1));
-	retry_after = idem_retry_after_arg(fcinfo, 2, "retry_after");
+	idem_lease_fail_args(fcinfo, &id, &error, &retry_after);
 	if (!idem_row_id_parts(id, NULL, &bucket, NULL))
 		PG_RETURN_VOID();		/* not a message id */
 
@@ -777,18 +768,11 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 Datum
 idem_inbox_extend(PG_FUNCTION_ARGS)
 {
-	int64		lease;
-	TimestampTz now = idem_now();
 	Datum		values[3];
 	uint64		n;
 
-	if (PG_ARGISNULL(0))
-		idem_null_argument("lease_token");
-	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
+	idem_lease_extend_args(fcinfo, values);
 	SPI_connect();
-	values[0] = PG_GETARG_DATUM(0);
-	values[1] = TimestampTzGetDatum(now + lease);
-	values[2] = TimestampTzGetDatum(now);
 	n = inbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE);
 	SPI_finish();
 	PG_RETURN_INT32((int32) Min(n, PG_INT32_MAX));

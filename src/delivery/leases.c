@@ -13,6 +13,7 @@
  */
 #include "idempotency.h"
 #include "delivery/leases.h"
+#include "common/args.h"
 #include "common/clock.h"
 
 #include "access/transam.h"
@@ -204,4 +205,57 @@ idem_attempt_failed(int32 attempts, int max_attempts, int64 retry_after, Timesta
 		return true;
 	*retry_at = now + (retry_after >= 0 ? retry_after : idem_backoff_usecs(attempts));
 	return false;
+}
+
+/*---- the arguments of the relay functions ----*/
+
+/*
+ * The (batch, lease, filter) arguments of idem_outbox_claim() and
+ * idem_inbox_claim(), checked; returns the number of names in the filter
+ * (a text[] named what, set in *names), or -1 if it is NULL.
+ */
+int
+idem_lease_batch_args(FunctionCallInfo fcinfo, int32 *batch, int64 *lease, const char *what,
+					  Datum **names)
+{
+	*batch = idem_batch_arg(fcinfo, 0, "batch", IDEM_MAX_BATCH);
+	*lease = idem_positive_interval_arg(fcinfo, 1, "lease");
+	if (PG_ARGISNULL(2))
+		return -1;
+	return idem_array_arg(fcinfo, 2, what, TEXTOID, names);
+}
+
+/*
+ * The (id, error, retry_after) arguments of idem_outbox_nack() and
+ * idem_inbox_fail(), checked; *retry_after is -1 for the backoff.
+ */
+void
+idem_lease_fail_args(FunctionCallInfo fcinfo, pg_uuid_t **id, char **error, int64 *retry_after)
+{
+	if (PG_ARGISNULL(0))
+		idem_null_argument("id");
+	if (PG_ARGISNULL(1))
+		idem_null_argument("error");
+	*id = PG_GETARG_UUID_P(0);
+	*error = text_to_cstring(PG_GETARG_TEXT_PP(1));
+	*retry_after = idem_retry_after_arg(fcinfo, 2, "retry_after");
+}
+
+/*
+ * The (lease_token, lease) arguments of idem_outbox_extend() and
+ * idem_inbox_extend(), checked, as the parameters of their statements: the
+ * token, the new lease_until, and now (a lease live at now is extended).
+ */
+void
+idem_lease_extend_args(FunctionCallInfo fcinfo, Datum *values)
+{
+	TimestampTz now = idem_now();
+	int64		lease;
+
+	if (PG_ARGISNULL(0))
+		idem_null_argument("lease_token");
+	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
+	values[0] = PG_GETARG_DATUM(0);
+	values[1] = TimestampTzGetDatum(now + lease);
+	values[2] = TimestampTzGetDatum(now);
 }

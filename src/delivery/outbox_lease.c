@@ -60,7 +60,7 @@ typedef struct LeasedEvent
 /* Everything one idem_outbox_claim() call works with. */
 typedef struct LeaseCall
 {
-	int			batch;
+	int32		batch;
 	int			taken;			/* events handed out so far */
 	TimestampTz now;
 	TimestampTz until;
@@ -654,13 +654,11 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	LeaseCall		c = {0};
 	int64		lease;
 
-	c.batch = idem_batch_arg(fcinfo, 0, "batch", IDEM_MAX_BATCH);
-	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
-	if (!PG_ARGISNULL(2))
-	{
-		Datum	   *elems;
+	Datum	   *elems;
 
-		c.ntype_names = idem_array_arg(fcinfo, 2, "aggregate_types", TEXTOID, &elems);
+	c.ntype_names = idem_lease_batch_args(fcinfo, &c.batch, &lease, "aggregate_types", &elems);
+	if (c.ntype_names >= 0)
+	{
 		c.type_names = palloc(sizeof(char *) * Max(c.ntype_names, 1));
 		for (int i = 0; i < c.ntype_names; i++)
 			c.type_names[i] = TextDatumGetCString(elems[i]);

@@ -253,13 +253,7 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	Delivery   *d;
 	int			nlocked;
 
-	if (PG_ARGISNULL(0))
-		idem_null_argument("id");
-	if (PG_ARGISNULL(1))
-		idem_null_argument("error");
-	id = PG_GETARG_UUID_P(0);
-	error = text_to_cstring(PG_GETARG_TEXT_PP(1));
-	retry_after = idem_retry_after_arg(fcinfo, 2, "retry_after");
+	idem_lease_fail_args(fcinfo, &id, &error, &retry_after);
 
 	SPI_connect();
 	idd = UUIDPGetDatum(id);
@@ -303,19 +297,12 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 Datum
 idem_outbox_extend(PG_FUNCTION_ARGS)
 {
-	int64		lease;
-	TimestampTz now = idem_now();
 	Datum		values[3];
 	uint64		n;
 	int64		covered = 0;
 
-	if (PG_ARGISNULL(0))
-		idem_null_argument("lease_token");
-	lease = idem_positive_interval_arg(fcinfo, 1, "lease");
+	idem_lease_extend_args(fcinfo, values);
 	SPI_connect();
-	values[0] = PG_GETARG_DATUM(0);
-	values[1] = TimestampTzGetDatum(now + lease);
-	values[2] = TimestampTzGetDatum(now);
 	n = outbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE_RETURNING);
 	for (uint64 r = 0; r < n; r++)
 	{

@@ -33,6 +33,15 @@ typedef struct MaintainReport
 
 typedef bool (*IdemGuardedAction) (void *arg);
 
+/* A partition to create, for [lower, upper), as one guarded action of a step */
+typedef struct IdemCreateCall
+{
+	void	   *step;			/* the step's own state */
+	TimestampTz lower;
+	TimestampTz upper;
+	const char *name;			/* qualified, quoted */
+} IdemCreateCall;
+
 /* actions.c */
 extern void idem_report_action(MaintainReport *rep, const char *action, const char *object);
 extern bool idem_run_guarded(MaintainReport *rep, const char *verb, const char *object,

@@ -647,17 +647,10 @@ cut_one(Round *r, IdemPartition *p, const char *name)
 	return true;
 }
 
-typedef struct CreateCall
-{
-	TimestampTz lower;
-	TimestampTz upper;
-	const char *name;
-} CreateCall;
-
 static bool
 create_one(void *arg)
 {
-	CreateCall *c = arg;
+	IdemCreateCall *c = arg;
 
 	create_partition(c->name, c->lower, c->upper);
 	return true;
@@ -667,7 +660,7 @@ create_one(void *arg)
 static bool
 create_guarded(Round *r, TimestampTz lower, TimestampTz upper)
 {
-	CreateCall	call = {lower, upper, idem_partition_name("claims", lower)};
+	IdemCreateCall call = {r, lower, upper, idem_partition_name("claims", lower)};
 
 	if (!idem_run_guarded(r->rep, "create", call.name, create_one, &call))
 		return false;

@@ -75,23 +75,16 @@ typedef struct StoreRound
 	Oid			parent;
 } StoreRound;
 
-typedef struct CreateCall
-{
-	StoreRound *r;
-	TimestampTz lower;
-	TimestampTz upper;
-	const char *name;
-} CreateCall;
-
 static bool
 create_one(void *arg)
 {
-	CreateCall *c = arg;
+	IdemCreateCall *c = arg;
+	StoreRound *r = c->step;
 	Oid			types[4] = {TEXTOID, INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID};
 	Datum		values[4];
 	int32		bucket;
 
-	const StoreDesc *d = c->r->d;
+	const StoreDesc *d = r->d;
 
 	/* a bucket no partition of this store has (the registry says which) */
 	for (;;)
@@ -111,11 +104,11 @@ create_one(void *arg)
 	types[0] = TEXTOID;
 
 	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s (LIKE %s INCLUDING ALL)",
-								   c->name, c->r->parent_name));
+								   c->name, r->parent_name));
 	for (int i = 0; i < (int) lengthof(d->indexes) && d->indexes[i] != NULL; i++)
 		idem_exec_ddl_as_data(psprintf(d->indexes[i], c->name));
 	idem_exec_ddl_as_data(psprintf("ALTER TABLE %s ATTACH PARTITION %s FOR VALUES IN (%d)",
-								   c->r->parent_name, c->name, bucket));
+								   r->parent_name, c->name, bucket));
 	values[0] = CStringGetTextDatum(c->name);
 	values[1] = Int32GetDatum(bucket);
 	values[2] = TimestampTzGetDatum(c->lower);
@@ -124,7 +117,7 @@ create_one(void *arg)
 						   " VALUES ($1::pg_catalog.regclass, $2, $3, $4)",
 						   IDEM_SCHEMA, d->registry),
 				  4, types, values, SPI_OK_INSERT);
-	idem_report_action(c->r->rep, "create", c->name);
+	idem_report_action(r->rep, "create", c->name);
 	return true;
 }
 
@@ -251,7 +244,7 @@ ensure_partitions(StoreRound *r, StorePartition *parts, int n)
 
 	while (cursor < horizon)
 	{
-		CreateCall	call = {r, cursor, cursor + iv * USECS_PER_SEC, NULL};
+		IdemCreateCall call = {r, cursor, cursor + iv * USECS_PER_SEC, NULL};
 
 		call.name = idem_partition_name(r->d->name, cursor);
 		if (!idem_run_guarded(r->rep, "create", call.name, create_one, &call))

@@ -273,11 +273,8 @@ current_ownership(void)
 static text *
 routing_key_arg(FunctionCallInfo fcinfo, int argno)
 {
-	text	   *key;
+	text	   *key = idem_text_arg(fcinfo, argno, "routing_key");
 
-	if (PG_ARGISNULL(argno))
-		idem_null_argument("routing_key");
-	key = PG_GETARG_TEXT_PP(argno);
 	if (VARSIZE_ANY_EXHDR(key) == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
