@@ -32,7 +32,7 @@ $(error cannot read default_version from $(EXTENSION).control)
 endif
 
 MODULE_big = idempotency
-OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
+OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c src/*/*.c)))
 # Upgrade scripts to the version being built: the hand-written script in
 # sql/versions/ (changes to objects of the earlier release), followed by the
 # sql/ext/ fragments that are wholly new in this version, so that no CREATE
@@ -97,4 +97,4 @@ idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 $(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION) $(EXT_INIT)
 	cat $^ > $@
 
-$(OBJS): $(wildcard src/*.h)
+$(OBJS): $(wildcard src/*.h src/*/*.h)

@@ -1,21 +1,23 @@
 /*-------------------------------------------------------------------------
  *
  * idempotency.c
- *	  Entry point of the idempotency extension.
- *
- * _PG_init only hands off to each subsystem's init function; the helpers
- * here are the few that every subsystem needs (finding the extension's own
- * schema and relations).  Nothing here takes locks beyond catalog lookups.
+ *	  Entry point of the idempotency extension: _PG_init hands off to each
+ *	  wing's init function, then reserves the settings' prefix (so that a
+ *	  misspelt idempotency.* setting is an error, not a silent placeholder).
  *
  *-------------------------------------------------------------------------
  */
 #include "idempotency.h"
 
-#include "catalog/namespace.h"
-#include "executor/spi.h"
-#include "fmgr.h"
+#include "claims/filters.h"
+#include "claims/partitions.h"
+#include "common/clock.h"
+#include "delivery/delivery.h"
+#include "delivery/store.h"
+#include "guards/guards.h"
+#include "maintenance/maintenance.h"
+#include "stats/stats.h"
 #include "utils/guc.h"
-#include "utils/lsyscache.h"
 
 PG_MODULE_MAGIC;
 
@@ -24,113 +26,15 @@ void		_PG_init(void);
 void
 _PG_init(void)
 {
+	idem_clock_init();
 	idem_partitions_init();
 	idem_filters_init();
 	idem_stats_init();
 	idem_guards_init();
+	idem_guard_helpers_init();
 	idem_store_init();
 	idem_outbox_init();
 	idem_inbox_init();
 	idem_worker_init();
-}
-
-/*
- * OID of schema "idempotency"; errors out if the extension is not installed
- * in this database.
- */
-Oid
-idem_schema_oid(void)
-{
-	Oid			nspid = get_namespace_oid(IDEM_SCHEMA, true);
-
-	if (!OidIsValid(nspid))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("extension \"idempotency\" is not installed in this database")));
-	return nspid;
-}
-
-/* OID of relation idempotency.<relname>, which must exist. */
-Oid
-idem_internal_relid(const char *relname)
-{
-	Oid			relid = get_relname_relid(relname, idem_schema_oid());
-
-	if (!OidIsValid(relid))
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_TABLE),
-				 errmsg("relation \"%s.%s\" does not exist", IDEM_SCHEMA, relname),
-				 errhint("The idempotency extension may be damaged; reinstall it.")));
-	return relid;
-}
-
-/*
- * Pin search_path to pg_catalog while preparing or running internal SQL
- * (maintenance often runs as a superuser): no operator or function a user
- * put on the path can stand in for the built-in ones.  Returns the GUC nest
- * level to undo with AtEOXact_GUC(true, level).
- */
-int
-idem_pin_search_path(void)
-{
-	int			nestlevel = NewGUCNestLevel();
-
-	(void) set_config_option("search_path", "pg_catalog, pg_temp",
-							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-							 true, 0, false);
-	return nestlevel;
-}
-
-/*
- * The plan of one of a subsystem's fixed statements, prepared on first use
- * with search_path pinned and kept for the backend's life in *slot.  The
- * plan cache parses it again if it is run under another search_path (the
- * caller's), which is why the statements name every table with its schema;
- * callers that run as someone else (maintenance) or that must not see the
- * caller's operators pin search_path around the run as well.
- * Generic plans: each statement is an index probe or an ordered index scan
- * whatever the arguments, and planning each call would cost more than the
- * work.  The caller is connected to SPI.
- */
-SPIPlanPtr
-idem_statement_plan(const IdemStatement *st, SPIPlanPtr *slot)
-{
-	if (*slot == NULL)
-	{
-		int			nestlevel = idem_pin_search_path();
-		SPIPlanPtr	plan;
-
-		plan = SPI_prepare_cursor(st->sql, st->nargs, (Oid *) st->argtypes,
-								  CURSOR_OPT_GENERIC_PLAN);
-		if (plan == NULL)
-			elog(ERROR, "SPI_prepare failed (%s): %s",
-				 SPI_result_code_string(SPI_result), st->sql);
-		AtEOXact_GUC(true, nestlevel);
-		SPI_keepplan(plan);
-		*slot = plan;
-	}
-	return *slot;
-}
-
-/*
- * Run one of those statements; nulls as SPI wants them (' ' or 'n'), NULL
- * for none.  Errors out unless SPI returns "expected"; returns the number
- * of rows processed.
- */
-uint64
-idem_statement_exec(const IdemStatement *st, SPIPlanPtr *slot, Datum *values,
-					const char *nulls, int expected)
-{
-	int			rc = SPI_execute_plan(idem_statement_plan(st, slot), values, nulls, false, 0);
-
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_plan failed (%s): %s", SPI_result_code_string(rc), st->sql);
-	return SPI_processed;
-}
-
-/* Column col (from 1) of row "row" of the last SPI result. */
-Datum
-idem_spi_col(uint64 row, int col, bool *isnull)
-{
-	return SPI_getbinval(SPI_tuptable->vals[row], SPI_tuptable->tupdesc, col, isnull);
+	MarkGUCPrefixReserved("idempotency");
 }

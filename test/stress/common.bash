@@ -4,6 +4,9 @@
 #   bg_pids       background processes to kill on exit (append their pids)
 #   sql ARGS      psql, quiet, unaligned, stopping at the first error
 #   fail MSG      report a failed check (sets failed=1)
+#   maintain_alongside
+#                 run idem_maintain() every half second in the background
+#                 (errors go to $tmp/maintain.err, which the caller checks)
 #   expect_zero WHAT SQL [DETAIL_SQL]
 #                 the query's single number must be 0; if not, also print
 #                 up to 10 rows of DETAIL_SQL
@@ -30,4 +33,15 @@ expect_zero() {
     else
         echo "ok: 0 $1"
     fi
+}
+
+maintain_alongside() {
+    (
+        while :; do
+            sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
+                || echo "idem_maintain failed" >>"$tmp/maintain.err"
+            sleep 0.5
+        done
+    ) &
+    bg_pids+=($!)
 }

@@ -29,28 +29,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/../.."
 EX=examples/http-api
-PY=${IDEM_PYTHON:-/usr/bin/python3}
-[[ -x $PY ]] || PY=python3
-"$PY" -c 'import psycopg2' || { echo "FAIL: $PY cannot import psycopg2 (Debian: python3-psycopg2)"; exit 1; }
-PORT=${IDEM_EXAMPLE_PORT:-0}
-
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-    local rc=$? p
-    set +e
-    for p in "${pids[@]}"; do
-        { kill "$p" && wait "$p"; } 2>/dev/null
-    done
-    if [[ $rc -ne 0 ]]; then
-        for p in "$tmp"/*.log; do
-            [[ -s $p ]] && { echo "----- $(basename "$p") (last 20 lines)"; tail -n 20 "$p"; }
-        done
-    fi
-    rm -rf "$tmp"
-    return "$rc"
-}
-trap cleanup EXIT
+. test/stress/examples.bash
 
 # serve NAME PORT SCRIPT ARGS...: start an example server in the background
 # and wait until it prints its URL; sets URL

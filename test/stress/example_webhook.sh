@@ -26,30 +26,9 @@ set -euo pipefail
 
 cd "$(dirname "$0")/../.."
 EX=examples/webhook-inbox
-PY=${IDEM_PYTHON:-/usr/bin/python3}
-[[ -x $PY ]] || PY=python3
-"$PY" -c 'import psycopg2' || { echo "FAIL: $PY cannot import psycopg2 (Debian: python3-psycopg2)"; exit 1; }
-PORT=${IDEM_EXAMPLE_PORT:-0}
+. test/stress/examples.bash
 [[ $PORT != 0 ]] && PORT=$((PORT + 2))
 LEASE='2 seconds'
-
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-    local rc=$? p
-    set +e
-    for p in "${pids[@]}"; do
-        { kill "$p" && wait "$p"; } 2>/dev/null
-    done
-    if [[ $rc -ne 0 ]]; then
-        for p in "$tmp"/*.log; do
-            [[ -s $p ]] && { echo "----- $(basename "$p") (last 20 lines)"; tail -n 20 "$p"; }
-        done
-    fi
-    rm -rf "$tmp"
-    return "$rc"
-}
-trap cleanup EXIT
 
 psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/schema.sql"
 

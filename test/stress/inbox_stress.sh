@@ -165,14 +165,7 @@ worker() {
         -D fail_pct="$FAIL_PCT" -f "$tmp/worker.sql" >"$tmp/$3" 2>&1 &
 }
 
-(
-    while :; do
-        sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
-            || echo "idem_maintain failed" >>"$tmp/maintain.err"
-        sleep 0.5
-    done
-) &
-bg_pids+=($!)
+maintain_alongside
 
 WORKER_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is processed
 echo "inbox stress: $CLIENTS receivers for ${SECONDS_RUN}s on $NMSG message ids ($NKEYS ordering keys), $ROLLBACK_PCT % rollbacks;"

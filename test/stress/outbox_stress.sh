@@ -237,15 +237,7 @@ relay() {
         -D ack_delay="$3" -f "$tmp/relay.sql" >"$tmp/$4" 2>&1 &
 }
 
-# maintenance alongside; any error fails the test
-(
-    while :; do
-        sql -c 'SELECT count(*) FROM idem_maintain()' >/dev/null 2>>"$tmp/maintain.err" \
-            || echo "idem_maintain failed" >>"$tmp/maintain.err"
-        sleep 0.5
-    done
-) &
-bg_pids+=($!)
+maintain_alongside
 
 RELAY_SECS=$((SECONDS_RUN + DRAIN + 30))     # stopped once all is delivered
 echo "outbox stress: $CLIENTS emitters for ${SECONDS_RUN}s at $RATE transactions/s on $NAGGS zipf-skewed aggregates, $ROLLBACK_PCT % rollbacks;"

@@ -1,0 +1,779 @@
+/*-------------------------------------------------------------------------
+ *
+ * filters.c
+ *	  Bloom filters of sealed partitions: how they are built, stored in the
+ *	  registry, validated, and held in memory for claimers.
+ *
+ * A sealed partition takes no more claims, so its keys -- those of claims
+ * still in progress too -- can be summarised once, when it is sealed, in a
+ * blocked Bloom filter: all bits of a key lie in one 512-bit block (a cache
+ * line), so a claim pays about one cache miss per sealed partition to learn
+ * that its key is not there.  The filter is stored in
+ * idempotency.partition_registry.bloom (so it survives restarts, dumps and
+ * reaches standbys) with a header that carries a CRC; a filter that fails
+ * validation is never used: its partition is probed instead.
+ *
+ * In memory, filters live in one of two places:
+ *	- with shared_preload_libraries = 'idempotency': once per cluster, in a
+ *	  shared area of idempotency.filter_memory, loaded from the registry on
+ *	  first use and never reloaded (a sealed filter never changes);
+ *	- otherwise: in each backend, up to idempotency.local_filter_memory, and
+ *	  only for partitions the backend has looked at often enough to repay
+ *	  reading the filter (a short-lived connection probes indexes instead).
+ * A filter that does not fit is not loaded, and its partition is probed
+ * through its index instead; filter_status() reports it.
+ *
+ * Locking rules: the shared area's directory is protected by one LWLock,
+ * taken shared to find a filter and exclusive to add or remove one.
+ * Claimers test bits without any lock: each backend remembers where it found
+ * a filter along with the area's epoch, which is advanced before memory of a
+ * removed filter can be reused; a test that sees the epoch move is repeated
+ * (a sequence lock).  Loading a filter reads the registry with a fresh
+ * snapshot and takes AccessShareLock on it, nothing else.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idempotency.h"
+#include "claims/filters.h"
+#include "common/catalog.h"
+#include "common/keys.h"
+#include "claims/partitions.h"
+
+#include <limits.h>
+
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/subtrans.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/transam.h"
+#include "access/xact.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "port/atomics.h"
+#include "port/pg_crc32c.h"
+#include "storage/ipc.h"
+#include "storage/lwlock.h"
+#include "storage/shmem.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/hsearch.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
+PG_FUNCTION_INFO_V1(idem_filter_status);
+
+/* Header of a stored filter; filters of version 1.0 have none. */
+#define IDEM_FILTER_MAGIC		0x46424449	/* "IDBF" */
+typedef struct FilterHeader
+{
+	uint32		magic;
+	uint32		nbits;			/* bits that follow; a multiple of 512 */
+	uint64		nkeys;			/* keys added */
+	pg_crc32c	crc;			/* of the bits */
+	uint32		pad;
+} FilterHeader;
+
+#define IDEM_FILTER_MAX_BITS	((uint32) 0xFFFFFE00)
+
+/*
+ * Without the shared area, a backend loads a partition's filter only after
+ * it has looked at the partition this often: a short-lived connection would
+ * spend longer reading every filter from the registry than probing indexes.
+ */
+#define IDEM_LOCAL_LOAD_AFTER	64
+
+/* Most filters the shared area lists (all databases together). */
+#define IDEM_FILTER_MAX_ENTRIES	4096
+
+/*---- GUC variables ----*/
+#define FILTER_MEMORY_KB_DEFAULT		(64 * 1024)
+#define LOCAL_FILTER_MEMORY_KB_DEFAULT	(16 * 1024)
+#define FILTER_MEMORY_KB_MAX			(INT_MAX / 2)
+
+static int	idem_filter_memory_kb = FILTER_MEMORY_KB_DEFAULT;
+static int	idem_local_filter_memory_kb = LOCAL_FILTER_MEMORY_KB_DEFAULT;
+
+/*---- the shared area ----*/
+typedef struct FilterEntry
+{
+	Oid			dboid;			/* InvalidOid: a free slot */
+	Oid			relid;
+	TransactionId xmin;			/* of the registry row that held it */
+	uint32		nbits;
+	Size		offset;			/* in the arena */
+	Size		size;
+} FilterEntry;
+
+typedef struct FilterArea
+{
+	LWLock	   *lock;
+	pg_atomic_uint64 epoch;		/* advanced before freed memory is reused */
+	Size		arena_size;
+	Size		used;
+	int			nentries;		/* slots in use */
+	uint64		refused;		/* loads that found no room */
+	FilterEntry entries[IDEM_FILTER_MAX_ENTRIES];
+} FilterArea;
+
+static FilterArea *filter_area = NULL;
+static uint8 *filter_arena = NULL;
+static shmem_request_hook_type prev_shmem_request_hook = NULL;
+static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/*---- the backend-local store (library not preloaded) ----*/
+typedef struct LocalFilterKey
+{
+	Oid			relid;
+	TransactionId xmin;
+} LocalFilterKey;
+
+typedef struct LocalFilter
+{
+	LocalFilterKey key;
+	uint8	   *bits;
+	uint32		nbits;
+} LocalFilter;
+
+static HTAB *local_filters = NULL;
+static Size local_used = 0;
+static uint64 local_refused = 0;
+
+/*---- Bloom filter arithmetic ----*/
+
+static inline uint32
+bloom_bit(uint64 hash, int i, uint32 nbits)
+{
+	uint32		nblocks = nbits / IDEM_BLOOM_BLOCK_BITS;
+	uint32		block = (uint32) hash % nblocks;
+	uint32		h2 = (uint32) (hash >> 32);
+	uint32		h3 = ((h2 >> 17) | (h2 << 15)) | 1;
+
+	return block * IDEM_BLOOM_BLOCK_BITS + ((h2 + (uint32) i * h3) % IDEM_BLOOM_BLOCK_BITS);
+}
+
+static void
+bloom_add(uint8 *bits, uint32 nbits, uint64 hash)
+{
+	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	{
+		uint32		b = bloom_bit(hash, i, nbits);
+
+		bits[b / 8] |= (uint8) (1 << (b % 8));
+	}
+}
+
+/* False: the key is certainly not among those added. */
+static bool
+bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
+{
+	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	{
+		uint32		b = bloom_bit(hash, i, nbits);
+
+		if ((bits[b / 8] & (1 << (b % 8))) == 0)
+			return false;
+	}
+	return true;
+}
+
+/*---- building and validating ----*/
+
+/* The full id of a recent transaction (younger than our snapshots' xmin). */
+static FullTransactionId
+recent_full_xid(TransactionId xid)
+{
+	FullTransactionId next = ReadNextFullTransactionId();
+	uint32		epoch = EpochFromFullTransactionId(next);
+
+	/* it began before the next xid: numerically greater means an epoch ago */
+	if (xid > XidFromFullTransactionId(next))
+		epoch--;
+	return FullTransactionIdFromEpochAndXid(epoch, xid);
+}
+
+/* Note the top-level transaction of a claim, once. */
+static void
+add_holder(IdemSealInfo *info, TransactionId xid, int *cap)
+{
+	FullTransactionId fx;
+
+	/* running or newer than our snapshots, so pg_subtrans knows it */
+	fx = recent_full_xid(SubTransGetTopmostTransaction(xid));
+	for (int i = 0; i < info->nholders; i++)
+		if (FullTransactionIdEquals(info->holders[i], fx))
+			return;
+	if (info->nholders == *cap)
+	{
+		*cap = *cap == 0 ? 8 : *cap * 2;
+		info->holders = info->holders == NULL ?
+			palloc(*cap * sizeof(FullTransactionId)) :
+			repalloc(info->holders, *cap * sizeof(FullTransactionId));
+	}
+	info->holders[info->nholders++] = fx;
+}
+
+/*
+ * Scan a partition that takes no more claims and summarise it: its Bloom
+ * filter (NULL when empty), how many claims it holds, the newest claimed_at
+ * and the transactions whose claims there the snapshot "visible" (the one
+ * its scopes will be counted with) does not show: those still open, and
+ * those that committed after it was taken.  The scan uses a dirty snapshot,
+ * so claims still in progress are in the filter and the figures (a claim
+ * that then rolls back is only a false positive).  The caller makes sure no
+ * claim can be inserted there any more (retention.c).
+ */
+bytea *
+idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
+{
+	TupleDesc	desc = RelationGetDescr(rel);
+	SnapshotData dirty;
+	TableScanDesc scan;
+	HeapTuple	tup;
+	uint64		nbits64;
+	uint32		nbits;
+	bytea	   *result;
+	FilterHeader *hdr;
+	uint8	   *bits;
+	int			cap = 0;
+
+	info->nkeys = 0;
+	info->max_claimed_at = DT_NOBEGIN;
+	info->nholders = 0;
+	info->holders = NULL;
+	InitDirtySnapshot(dirty);
+
+	/* one pass to size the filter, one to fill it */
+	scan = table_beginscan(rel, &dirty, 0, NULL);
+	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		TimestampTz t = DatumGetTimestampTz(heap_getattr(tup, Anum_claims_claimed_at, desc, &isnull));
+
+		/* the dirty check of this tuple named its inserter if still open */
+		if (TransactionIdIsValid(dirty.xmin))
+			add_holder(info, dirty.xmin, &cap);
+		else
+		{
+			TransactionId xmin = HeapTupleHeaderGetRawXmin(tup->t_data);
+
+			if (TransactionIdIsNormal(xmin) && !TransactionIdIsCurrentTransactionId(xmin) &&
+				XidInMVCCSnapshot(xmin, visible))
+				add_holder(info, xmin, &cap);
+		}
+		info->nkeys++;
+		if (!isnull && t > info->max_claimed_at)
+			info->max_claimed_at = t;
+	}
+	table_endscan(scan);
+	if (info->nkeys == 0)
+		return NULL;
+
+	nbits64 = (uint64) info->nkeys * IDEM_BLOOM_BITS_PER_KEY;
+	nbits64 = (nbits64 + IDEM_BLOOM_BLOCK_BITS - 1) / IDEM_BLOOM_BLOCK_BITS * IDEM_BLOOM_BLOCK_BITS;
+	nbits = (uint32) Min(nbits64, (uint64) IDEM_FILTER_MAX_BITS);
+
+	result = palloc0(VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	SET_VARSIZE(result, VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	hdr = (FilterHeader *) VARDATA(result);
+	bits = (uint8 *) (hdr + 1);
+
+	scan = table_beginscan(rel, &dirty, 0, NULL);
+	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
+		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
+
+		bloom_add(bits, nbits, idem_key_hash(scope, key));
+	}
+	table_endscan(scan);
+
+	hdr->magic = IDEM_FILTER_MAGIC;
+	hdr->nbits = nbits;
+	hdr->nkeys = info->nkeys;
+	INIT_CRC32C(hdr->crc);
+	COMP_CRC32C(hdr->crc, bits, nbits / 8);
+	FIN_CRC32C(hdr->crc);
+	return result;
+}
+
+/*
+ * The bits of a stored filter, or NULL if it is damaged.  Filters written
+ * by version 1.0 have no header; their size is all there is to check.
+ */
+static const uint8 *
+filter_bits(bytea *stored, uint32 *nbits)
+{
+	Size		len = VARSIZE_ANY_EXHDR(stored);
+	const char *data = VARDATA_ANY(stored);
+	FilterHeader hdr;
+	pg_crc32c	crc;
+
+	if (len >= sizeof(FilterHeader))
+	{
+		memcpy(&hdr, data, sizeof(FilterHeader));
+		if (hdr.magic == IDEM_FILTER_MAGIC)
+		{
+			if (hdr.nbits == 0 || hdr.nbits % IDEM_BLOOM_BLOCK_BITS != 0 ||
+				len != sizeof(FilterHeader) + hdr.nbits / 8)
+				return NULL;
+			INIT_CRC32C(crc);
+			COMP_CRC32C(crc, data + sizeof(FilterHeader), hdr.nbits / 8);
+			FIN_CRC32C(crc);
+			if (!EQ_CRC32C(crc, hdr.crc))
+				return NULL;
+			*nbits = hdr.nbits;
+			return (const uint8 *) data + sizeof(FilterHeader);
+		}
+	}
+	if (len == 0 || len > PG_UINT32_MAX / 8 || (len * 8) % IDEM_BLOOM_BLOCK_BITS != 0)
+		return NULL;
+	*nbits = (uint32) (len * 8);
+	return (const uint8 *) data;
+}
+
+/*
+ * Read a partition's filter from the registry, if the row that names it is
+ * still the one this backend's cache was built from.  NULL: gone, changed
+ * or damaged (a damaged one is reported).
+ */
+static bytea *
+read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
+{
+	Relation	rel = table_open(set->registry_relid, AccessShareLock);
+	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
+	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
+	HeapTuple	tup;
+	bytea	   *stored = NULL;
+
+	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		Datum		d;
+
+		d = heap_getattr(tup, Anum_registry_relid, RelationGetDescr(rel), &isnull);
+		if (DatumGetObjectId(d) != p->relid ||
+			HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
+			continue;
+		d = heap_getattr(tup, Anum_registry_bloom, RelationGetDescr(rel), &isnull);
+		if (!isnull)
+			stored = DatumGetByteaPCopy(d);	/* a copy: the buffer is let go */
+		break;
+	}
+	table_endscan(scan);
+	UnregisterSnapshot(snap);
+	table_close(rel, AccessShareLock);
+	return stored;
+}
+
+/*---- the shared area ----*/
+
+static Size
+filter_area_size(void)
+{
+	return MAXALIGN(sizeof(FilterArea)) + (Size) idem_filter_memory_kb * 1024;
+}
+
+static void
+filters_shmem_request(void)
+{
+	if (prev_shmem_request_hook)
+		prev_shmem_request_hook();
+	RequestAddinShmemSpace(filter_area_size());
+	RequestNamedLWLockTranche("idempotency filters", 1);
+}
+
+static void
+filters_shmem_startup(void)
+{
+	bool		found;
+
+	if (prev_shmem_startup_hook)
+		prev_shmem_startup_hook();
+
+	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
+	filter_area = ShmemInitStruct("idempotency filters", filter_area_size(), &found);
+	if (!found)
+	{
+		memset(filter_area, 0, sizeof(FilterArea));
+		filter_area->lock = &(GetNamedLWLockTranche("idempotency filters"))->lock;
+		pg_atomic_init_u64(&filter_area->epoch, 1);
+		filter_area->arena_size = (Size) idem_filter_memory_kb * 1024;
+	}
+	filter_arena = (uint8 *) filter_area + MAXALIGN(sizeof(FilterArea));
+	LWLockRelease(AddinShmemInitLock);
+}
+
+static FilterEntry *
+shared_find(Oid relid, TransactionId xmin)
+{
+	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
+	{
+		FilterEntry *e = &filter_area->entries[i];
+
+		if (e->dboid == MyDatabaseId && e->relid == relid && e->xmin == xmin)
+			return e;
+	}
+	return NULL;
+}
+
+static int
+extent_cmp(const void *a, const void *b)
+{
+	const FilterEntry *ea = *(FilterEntry *const *) a;
+	const FilterEntry *eb = *(FilterEntry *const *) b;
+
+	return ea->offset < eb->offset ? -1 : (ea->offset > eb->offset ? 1 : 0);
+}
+
+/* First fit in the arena; the caller holds the lock exclusively. */
+static bool
+shared_alloc(Size size, Size *offset)
+{
+	FilterEntry *used[IDEM_FILTER_MAX_ENTRIES];
+	int			n = 0;
+	Size		at = 0;
+
+	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
+		if (OidIsValid(filter_area->entries[i].dboid))
+			used[n++] = &filter_area->entries[i];
+	qsort(used, n, sizeof(FilterEntry *), extent_cmp);
+	for (int i = 0; i < n; i++)
+	{
+		if (used[i]->offset - at >= size)
+			break;
+		at = used[i]->offset + used[i]->size;
+	}
+	if (filter_area->arena_size - at < size)
+		return false;
+	*offset = at;
+	return true;
+}
+
+/* Copy a filter into the shared area; false if there is no room. */
+static bool
+shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
+{
+	Size		size = MAXALIGN(nbits / 8);
+	Size		offset;
+	FilterEntry *e = NULL;
+	bool		ok = false;
+
+	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
+	if (shared_find(p->relid, p->filter_xmin) != NULL)
+		ok = true;				/* another backend was quicker */
+	else if (shared_alloc(size, &offset))
+	{
+		for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES && e == NULL; i++)
+			if (!OidIsValid(filter_area->entries[i].dboid))
+				e = &filter_area->entries[i];
+		if (e != NULL)
+		{
+			memcpy(filter_arena + offset, bits, nbits / 8);
+			e->relid = p->relid;
+			e->xmin = p->filter_xmin;
+			e->nbits = nbits;
+			e->offset = offset;
+			e->size = size;
+			pg_write_barrier();
+			e->dboid = MyDatabaseId;
+			filter_area->nentries++;
+			filter_area->used += size;
+			ok = true;
+		}
+	}
+	if (!ok)
+		filter_area->refused++;
+	LWLockRelease(filter_area->lock);
+	if (!ok)
+		ereport(LOG,
+				(errmsg("no room for the Bloom filter of claims partition %u in idempotency.filter_memory",
+						p->relid),
+				 errdetail("Claims look in the partition's index instead; raise idempotency.filter_memory to avoid it.")));
+	return ok;
+}
+
+/*---- the local store ----*/
+
+static bool
+local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbits)
+{
+	LocalFilterKey key = {p->relid, p->filter_xmin};
+	LocalFilter *lf;
+	bool		found;
+	Size		size = nbits / 8;
+
+	if (local_filters == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(LocalFilterKey);
+		ctl.entrysize = sizeof(LocalFilter);
+		ctl.hcxt = TopMemoryContext;
+		local_filters = hash_create("idempotency local filters", 64, &ctl,
+									HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+
+	/* make room by forgetting filters of partitions no longer listed */
+	if (local_used + size > (Size) idem_local_filter_memory_kb * 1024)
+	{
+		HASH_SEQ_STATUS seq;
+
+		hash_seq_init(&seq, local_filters);
+		while ((lf = hash_seq_search(&seq)) != NULL)
+		{
+			bool		listed = false;
+
+			for (int i = 0; i < set->nparts && !listed; i++)
+				listed = set->parts[i].relid == lf->key.relid &&
+					set->parts[i].filter_xmin == lf->key.xmin;
+			if (!listed)
+			{
+				local_used -= lf->nbits / 8;
+				pfree(lf->bits);
+				hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
+			}
+		}
+	}
+	if (local_used + size > (Size) idem_local_filter_memory_kb * 1024)
+	{
+		local_refused++;
+		return false;
+	}
+
+	lf = hash_search(local_filters, &key, HASH_ENTER, &found);
+	if (!found)
+	{
+		lf->bits = MemoryContextAllocHuge(TopMemoryContext, size);
+		memcpy(lf->bits, bits, size);
+		lf->nbits = nbits;
+		local_used += size;
+	}
+	p->filter_bits = lf->bits;
+	p->filter_nbits = lf->nbits;
+	return true;
+}
+
+/*---- lookups ----*/
+
+static uint64
+current_epoch(void)
+{
+	return filter_area != NULL ? pg_atomic_read_u64(&filter_area->epoch) : 0;
+}
+
+/* Where this backend finds p's filter now; filter_bits NULL if nowhere. */
+static void
+resolve_filter(IdemPartitionSet *set, IdemPartition *p)
+{
+	bytea	   *stored;
+	const uint8 *bits;
+	uint32		nbits;
+
+	p->filter_bits = NULL;
+	p->filter_epoch = current_epoch();
+
+	if (filter_area != NULL)
+	{
+		FilterEntry *e;
+
+		LWLockAcquire(filter_area->lock, LW_SHARED);
+		e = shared_find(p->relid, p->filter_xmin);
+		if (e != NULL)
+		{
+			p->filter_bits = filter_arena + e->offset;
+			p->filter_nbits = e->nbits;
+		}
+		LWLockRelease(filter_area->lock);
+		if (p->filter_bits != NULL)
+			return;
+	}
+	else if (local_filters != NULL)
+	{
+		LocalFilterKey key = {p->relid, p->filter_xmin};
+		LocalFilter *lf = hash_search(local_filters, &key, HASH_FIND, NULL);
+
+		if (lf != NULL)
+		{
+			p->filter_bits = lf->bits;
+			p->filter_nbits = lf->nbits;
+			return;
+		}
+	}
+	if (filter_area == NULL && ++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
+		return;					/* not worth reading for this backend yet */
+
+	/* not in memory yet: load it from the registry, once */
+	stored = read_stored_filter(set, p);
+	if (stored == NULL)
+	{
+		p->filter_missing = true;	/* the cache is stale; it will be rebuilt */
+		return;
+	}
+	bits = filter_bits(stored, &nbits);
+	if (bits == NULL)
+	{
+		ereport(WARNING,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("Bloom filter of claims partition %u is damaged", p->relid),
+				 errdetail("Claims look in the partition's index instead."),
+				 errhint("Run idem_maintain() after setting bloom to NULL in idempotency.partition_registry to rebuild it.")));
+		p->filter_missing = true;
+	}
+	else if (filter_area != NULL ? !shared_add(p, bits, nbits) : !local_add(set, p, bits, nbits))
+		p->filter_missing = true;	/* no room: probe instead */
+	else if (filter_area != NULL)
+		resolve_filter(set, p);
+	pfree(stored);
+}
+
+/*
+ * Start loading the cache line of p's filter that the key's test will read,
+ * if the filter is at hand: a claim tests many filters, and their misses
+ * then overlap instead of queueing.
+ */
+void
+idem_filter_prefetch(IdemPartition *p, uint64 hash)
+{
+	if (p->filter_bits != NULL && p->filter_epoch == current_epoch())
+	{
+		uint32		block = (uint32) hash % (p->filter_nbits / IDEM_BLOOM_BLOCK_BITS);
+
+		__builtin_prefetch(p->filter_bits + (Size) block * (IDEM_BLOOM_BLOCK_BITS / 8));
+	}
+}
+
+/*
+ * May the key with this hash be in sealed partition p?  True when its
+ * filter says so, and whenever no valid filter is at hand (then the caller
+ * probes the partition's index).
+ */
+bool
+idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
+{
+	for (;;)
+	{
+		uint64		epoch;
+		bool		maybe;
+
+		if (!p->has_filter || p->filter_missing)
+			return true;
+		epoch = current_epoch();
+		if (p->filter_bits == NULL || p->filter_epoch != epoch)
+		{
+			resolve_filter(set, p);
+			if (p->filter_bits == NULL)
+				return true;	/* not in memory (yet): probe */
+			continue;
+		}
+		pg_read_barrier();
+		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash);
+		pg_read_barrier();
+		if (current_epoch() == epoch)
+			return maybe;
+	}
+}
+
+/*
+ * Remove from the shared area the filters of this database that the set
+ * does not list (partitions dropped or resealed).  Run by maintenance.
+ */
+void
+idem_filters_forget_others(IdemPartitionSet *set)
+{
+	bool		advanced = false;
+
+	if (filter_area == NULL)
+		return;
+	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
+	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
+	{
+		FilterEntry *e = &filter_area->entries[i];
+		bool		listed = false;
+
+		if (e->dboid != MyDatabaseId)
+			continue;
+		for (int j = 0; j < set->nparts && !listed; j++)
+			listed = set->parts[j].relid == e->relid &&
+				set->parts[j].filter_xmin == e->xmin && set->parts[j].has_filter;
+		if (listed)
+			continue;
+		if (!advanced)
+		{
+			/* readers holding the old address must notice before reuse */
+			pg_atomic_fetch_add_u64(&filter_area->epoch, 1);
+			advanced = true;
+		}
+		filter_area->used -= e->size;
+		filter_area->nentries--;
+		memset(e, 0, sizeof(FilterEntry));
+	}
+	LWLockRelease(filter_area->lock);
+}
+
+/*
+ * idempotency.filter_status(): where filters are held and how full that is.
+ */
+Datum
+idem_filter_status(PG_FUNCTION_ARGS)
+{
+	TupleDesc	desc;
+	Datum		values[5];
+	bool		nulls[5] = {false, false, false, false, false};
+
+	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	if (filter_area != NULL)
+	{
+		LWLockAcquire(filter_area->lock, LW_SHARED);
+		values[0] = CStringGetTextDatum("shared");
+		values[1] = Int64GetDatum((int64) filter_area->arena_size);
+		values[2] = Int64GetDatum((int64) filter_area->used);
+		values[3] = Int32GetDatum(filter_area->nentries);
+		values[4] = Int64GetDatum((int64) filter_area->refused);
+		LWLockRelease(filter_area->lock);
+	}
+	else
+	{
+		values[0] = CStringGetTextDatum("local");
+		values[1] = Int64GetDatum((int64) idem_local_filter_memory_kb * 1024);
+		values[2] = Int64GetDatum((int64) local_used);
+		values[3] = Int32GetDatum(local_filters ? (int32) hash_get_num_entries(local_filters) : 0);
+		values[4] = Int64GetDatum((int64) local_refused);
+	}
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, values, nulls)));
+}
+
+void
+idem_filters_init(void)
+{
+	DefineCustomIntVariable("idempotency.local_filter_memory",
+							"Backend memory for Bloom filters when the library is not preloaded.",
+							NULL,
+							&idem_local_filter_memory_kb,
+							LOCAL_FILTER_MEMORY_KB_DEFAULT, 0, FILTER_MEMORY_KB_MAX,
+							PGC_USERSET,
+							GUC_UNIT_KB,
+							NULL, NULL, NULL);
+
+	/* a postmaster setting can only be defined while preloading */
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	DefineCustomIntVariable("idempotency.filter_memory",
+							"Shared memory for the Bloom filters of sealed partitions.",
+							"Used when the library is in shared_preload_libraries; about 1.25 bytes per retained claim.",
+							&idem_filter_memory_kb,
+							FILTER_MEMORY_KB_DEFAULT, 0, FILTER_MEMORY_KB_MAX,
+							PGC_POSTMASTER,
+							GUC_UNIT_KB,
+							NULL, NULL, NULL);
+	if (idem_filter_memory_kb == 0)
+		return;
+	prev_shmem_request_hook = shmem_request_hook;
+	shmem_request_hook = filters_shmem_request;
+	prev_shmem_startup_hook = shmem_startup_hook;
+	shmem_startup_hook = filters_shmem_startup;
+}

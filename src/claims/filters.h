@@ -1,0 +1,36 @@
+/*-------------------------------------------------------------------------
+ *
+ * filters.h
+ *	  Bloom filters of sealed claims partitions, in shared or backend
+ *	  memory (filters.c).
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_CLAIMS_FILTERS_H
+#define IDEM_CLAIMS_FILTERS_H
+
+#include "claims/partitions.h"
+#include "utils/relcache.h"
+#include "utils/snapshot.h"
+
+#define IDEM_BLOOM_HASHES		7
+#define IDEM_BLOOM_BITS_PER_KEY	10
+#define IDEM_BLOOM_BLOCK_BITS	512		/* one cache line; sizes are multiples */
+
+/* what idem_filter_build() learned about a partition while scanning it */
+typedef struct IdemSealInfo
+{
+	int64		nkeys;
+	TimestampTz max_claimed_at; /* DT_NOBEGIN when empty */
+	int			nholders;		/* transactions whose claims there are not
+								 * visible yet (see idem_filter_build) */
+	FullTransactionId *holders; /* their top-level ids */
+} IdemSealInfo;
+
+extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info);
+extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
+extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
+extern void idem_filters_forget_others(IdemPartitionSet *set);
+extern void idem_filters_init(void);
+
+#endif							/* IDEM_CLAIMS_FILTERS_H */

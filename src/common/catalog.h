@@ -1,0 +1,61 @@
+/*-------------------------------------------------------------------------
+ *
+ * catalog.h
+ *	  The extension's schema and the columns of its own tables that C reads
+ *	  or writes by number: one description, which must match the CREATE
+ *	  TABLE statements in sql/ (and the 1.0 -> 1.1 update, which appends).
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_COMMON_CATALOG_H
+#define IDEM_COMMON_CATALOG_H
+
+#include "utils/rel.h"
+
+/* Name of the schema that holds the extension's tables and internals. */
+#define IDEM_SCHEMA "idempotency"
+
+/* idempotency.claims and its partitions */
+enum Anum_claims
+{
+	Anum_claims_scope = 1,
+	Anum_claims_key,
+	Anum_claims_claimed_at,
+	Anum_claims_fingerprint,	/* 1.0's payload hash; read, no longer written */
+	Anum_claims_digest,			/* SHA-256 of the canonical payload */
+	_Anum_claims_max
+};
+#define Natts_claims (_Anum_claims_max - 1)
+
+/* idempotency.partition_registry */
+enum Anum_registry
+{
+	Anum_registry_relid = 1,
+	Anum_registry_lower,
+	Anum_registry_upper,
+	Anum_registry_sealed,
+	Anum_registry_bloom,
+	Anum_registry_nkeys,
+	Anum_registry_max_claimed_at,
+	Anum_registry_closed,
+	Anum_registry_held_by,
+	_Anum_registry_max
+};
+#define Natts_registry (_Anum_registry_max - 1)
+
+/* idempotency.settings */
+enum Anum_settings
+{
+	Anum_settings_singleton = 1,
+	Anum_settings_retention,
+	Anum_settings_interval,
+	Anum_settings_premake,
+	_Anum_settings_max
+};
+#define Natts_settings (_Anum_settings_max - 1)
+
+extern Oid	idem_schema_oid(void);
+extern Oid	idem_internal_relid(const char *relname);
+extern Relation idem_open_internal(Oid relid);
+
+#endif							/* IDEM_COMMON_CATALOG_H */

@@ -1,0 +1,775 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox.c
+ *	  The transactional outbox: idem_outbox_emit() writes an event in the
+ *	  caller's transaction; relays lease aggregates with idem_outbox_claim()
+ *	  and settle them with ack, nack, extend, redrive and discard.
+ *
+ * Storage (sql/ext/40_outbox.sql): events are insert-only rows in time
+ * partitions of idempotency.outbox_events (store.c), written straight
+ * into the partition (rows.c); what changes lives apart, in two narrow
+ * tables whose updates leave every index alone (HOT):
+ *	- outbox_sequences: per aggregate, the seq of its newest event (and of
+ *	  its newest stored and unstored one, for the backlog).  An emit
+ *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
+ *	  aggregate's first event, which also makes its deliveries row) and so
+ *	  holds its row lock to commit: emits to one aggregate serialise, seq
+ *	  follows commit order, and a rollback takes its number back (no gaps).
+ *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
+ *	  the lease, attempts of the head event, retry_at, the dead head and a
+ *	  redrive waiting for the lease.
+ *
+ * An event id (a UUIDv7) carries created_at, the partition's bucket and the
+ * emitting transaction, so acks find an event with one index probe.
+ *
+ * Finding work.  Relays find pending aggregates in two ways:
+ *	- the cursor: events are scanned in order of their emitting transaction
+ *	  (txid) from idempotency.outbox_cursor.  The cursor may only pass an
+ *	  event that is delivered or belongs to a parked aggregate, and never
+ *	  passes the xmin of a snapshot taken before the scan: every transaction
+ *	  below that has ended, so no event can appear behind the cursor later.
+ *	  A cursor value stays valid forever (acked_seq only grows, but for a
+ *	  rewind, which parks; a parked aggregate stays parked until it has
+ *	  nothing pending), so each relay keeps one in memory and writes it back
+ *	  about once a second.  A scan page's rows, candidates and locked rows
+ *	  live in a memory context of their own (an SPI level per page), so a
+ *	  claim's memory is bounded by its batch and a page, whatever backlog it
+ *	  scans.
+ *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
+ *	  was redriven has retry_at set and is found through the partial index
+ *	  on retry_at instead, until it has nothing pending.  Unparking reads
+ *	  the newest stored seq under FOR SHARE SKIP LOCKED: with an emit in
+ *	  flight (the row is locked) it does not unpark, and leaves the
+ *	  aggregate due now instead (the next claim looks again), so it never
+ *	  waits for an emitter (which may be a prepared transaction) and never
+ *	  leaves a new event behind the cursor.
+ *
+ * Delivery states.  Every state of a deliveries row has a way out, and the
+ * CHECK constraints on the table keep out those that would not:
+ *	- idle (no lease, not parked): the cursor finds its pending events;
+ *	- leased: the holder's ack of its run, its nack, or expiry (then the
+ *	  cursor, or retry_at if parked, finds it: an expired lease counts as
+ *	  no lease to every claim);
+ *	- parked, due at retry_at (finite): a claim once it is due;
+ *	- parked for good (retry_at = infinity): only at a dead head (CHECK),
+ *	  which a claim under 'skip', a redrive or a discard ends.  Whatever
+ *	  clears a dead head (skip, ack, rewind, discard) makes the aggregate
+ *	  due now, so it never stays parked for good without one;
+ *	- a dead head is parked and leased to nobody (CHECK);
+ *	- a redrive waiting for a live lease (redrive_seq): applied when the
+ *	  lease ends, however it ends (CHECK: only beside a lease).
+ *
+ * Locking rules:
+ *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
+ *	  takes those rows in sorted order before writing anything, so two
+ *	  batches never wait on each other in a cycle.
+ *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
+ *	  never waits for another relay; an aggregate locked by one is left to
+ *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
+ *	  order.  Relays never lock outbox_sequences except to unpark (FOR
+ *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
+ *	  emitter), and emitters never lock outbox_deliveries, so emitters and
+ *	  relays never deadlock.  An emitter may wait for the commit of a relay
+ *	  that just unparked its aggregate (the relay's share lock).
+ *	- the cursor row is written with SKIP LOCKED: a busy row means another
+ *	  relay is moving it.
+ *
+ * Claims should run in READ COMMITTED: FOR UPDATE of a row that another
+ * relay changed after a REPEATABLE READ snapshot is a serialization
+ * failure.
+ *
+ * Wake-ups: an emit under outbox_notify = 'commit' only notes that its
+ * transaction (or subtransaction) emitted; the NOTIFY is sent just before
+ * the commit (XACT_EVENT_PRE_COMMIT), so a transaction whose emits rolled
+ * back sends none, and a transaction that is prepared (PREPARE TRANSACTION,
+ * which refuses one with a pending NOTIFY) sends none either: relays find
+ * its events by polling once COMMIT PREPARED has run.
+ *
+ * All SQL runs through generic plans prepared once per backend with
+ * search_path pinned to pg_catalog, on schema-qualified names, with the
+ * caller's privileges; the direct write of events checks INSERT on
+ * idempotency.outbox_events as a routed insert would.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idempotency.h"
+#include "delivery/outbox.h"
+#include "delivery/delivery.h"
+#include "common/catalog.h"
+#include "common/spi.h"
+#include "common/clock.h"
+#include "common/args.h"
+#include "common/rows.h"
+#include "delivery/store.h"
+#include "delivery/leases.h"
+
+#include "access/table.h"
+#include "access/transam.h"
+#include "access/xact.h"
+#include "catalog/pg_type.h"
+#include "commands/async.h"
+#include "common/hashfn.h"
+#include "common/pg_prng.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "replication/message.h"
+#include "storage/itemptr.h"
+#include "utils/acl.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/datetime.h"
+#include "utils/guc.h"
+#include "utils/json.h"
+#include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+#include "utils/uuid.h"
+#include "utils/xid8.h"
+
+
+
+/*---- settings ----*/
+
+
+static const struct config_enum_entry dead_policy_options[] = {
+	{"block", DEAD_BLOCK, false},
+	{"skip", DEAD_SKIP, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry notify_options[] = {
+	{"commit", NOTIFY_COMMIT, false},
+	{"off", NOTIFY_OFF, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry mode_options[] = {
+	{"table", MODE_TABLE, false},
+	{"wal", MODE_WAL, false},
+	{"both", MODE_BOTH, false},
+	{NULL, 0, false}
+};
+
+int			outbox_max_attempts = OUTBOX_MAX_ATTEMPTS_DEFAULT;
+static bool outbox_keep_undelivered = OUTBOX_KEEP_UNDELIVERED_DEFAULT;
+int			outbox_dead_policy = OUTBOX_DEAD_POLICY_DEFAULT;
+int			outbox_notify = OUTBOX_NOTIFY_DEFAULT;
+int			outbox_mode = OUTBOX_MODE_DEFAULT;
+
+void
+idem_outbox_init(void)
+{
+	RegisterXactCallback(outbox_xact_callback, NULL);
+	RegisterSubXactCallback(outbox_subxact_callback, NULL);
+
+	DefineCustomIntVariable("idempotency.outbox_max_attempts",
+							"Failed attempts after which an outbox event is dead-lettered.",
+							NULL,
+							&outbox_max_attempts,
+							OUTBOX_MAX_ATTEMPTS_DEFAULT, 1, IDEM_MAX_ATTEMPTS,
+							PGC_USERSET, 0,
+							NULL, NULL, NULL);
+	DefineCustomBoolVariable("idempotency.outbox_keep_undelivered",
+							 "Whether maintenance keeps outbox partitions that hold undelivered or dead-lettered events.",
+							 "Turn off where no relay acks (change data capture reads the events from the WAL).",
+							 &outbox_keep_undelivered,
+							 OUTBOX_KEEP_UNDELIVERED_DEFAULT,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_dead_policy",
+							 "What a dead-lettered event does to the rest of its aggregate: block or skip.",
+							 NULL,
+							 &outbox_dead_policy,
+							 OUTBOX_DEAD_POLICY_DEFAULT, dead_policy_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_notify",
+							 "Whether emitting transactions send NOTIFY idempotency_outbox at commit: commit or off.",
+							 NULL,
+							 &outbox_notify,
+							 OUTBOX_NOTIFY_DEFAULT, notify_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+	DefineCustomEnumVariable("idempotency.outbox_mode",
+							 "Where emitted events go: table, wal (logical decoding messages only) or both.",
+							 NULL,
+							 &outbox_mode,
+							 OUTBOX_MODE_DEFAULT, mode_options,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+}
+
+/*---- statements ----*/
+
+/*
+ * Locked deliveries rows, as outbox_read_deliveries() expects them: FROM one of
+ * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
+ * (an index probe per key, in key order, whatever the statistics say), and
+ * bring the newest seq of each aggregate along.  A LATERAL lookup that does
+ * not lock carries a LIMIT, so that the planner cannot flatten it into a
+ * hash join over the whole table.
+ */
+#define DELIVERY_COLUMNS \
+	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
+	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error, d.redrive_seq," \
+	" coalesce(s.last_seq, 0), d.row_ctid"
+#define DELIVERY_JOIN_SEQUENCES \
+	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
+	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id" \
+	"   LIMIT 1) s ON true"
+/* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
+#define DELIVERIES_BY_KEYS(cond, lock) \
+	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
+	"       ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\") k" \
+	" CROSS JOIN LATERAL (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
+	"   " lock ") d" DELIVERY_JOIN_SEQUENCES
+/* the rows that meet cond, in retry_at order, at most $2, skipping locked ones */
+#define DELIVERIES_PARKED(cond) \
+	" FROM (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
+	"   WHERE " cond \
+	"     AND (d.lease_until IS NULL OR d.lease_until <= $1)" \
+	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
+	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
+/*
+ * An aggregate's deliveries row is made by the emit that starts it (seq 1),
+ * in the emitter's transaction: relays never insert rows that another relay
+ * could be inserting too (they would wait on each other's transactions).
+ */
+#define NEW_DELIVERY_ROW(select) \
+	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
+	" ON CONFLICT DO NOTHING"
+
+/* the new seq is stored ($3) or not ('wal') */
+#define NEXT_SEQ \
+	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1," \
+	" stored_seq = CASE WHEN $3 THEN last_seq + 1 ELSE stored_seq END," \
+	" wal_seq = CASE WHEN $3 THEN wal_seq ELSE last_seq + 1 END" \
+	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
+	" RETURNING last_seq"
+
+
+static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
+	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
+	[ST_EMIT_NEXT_SEQ] = {
+		NEXT_SEQ, 3, {TEXTOID, TEXTOID, BOOLOID}
+	},
+	/* otherwise (none updated): make the counter, or take it over from a racer */
+	[ST_EMIT_SEQ] = {
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" VALUES ($1, $2, 1, CASE WHEN $3 THEN 1 ELSE 0 END, CASE WHEN $3 THEN 0 ELSE 1 END)"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1,"
+		"  stored_seq = CASE WHEN $3 THEN q.last_seq + 1 ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + 1 END"
+		" RETURNING q.last_seq), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
+		" SELECT last_seq FROM s",
+		3, {TEXTOID, TEXTOID, BOOLOID}
+	},
+	/* counts per aggregate, in the (sorted) order given: that is lock order */
+	[ST_RESERVE] = {
+		"WITH s AS ("
+		" INSERT INTO idempotency.outbox_sequences AS q"
+		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
+		" SELECT $1, u.id, u.n, CASE WHEN $4 THEN u.n ELSE 0 END, CASE WHEN $4 THEN 0 ELSE u.n END"
+		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
+		" ORDER BY u.ord"
+		" ON CONFLICT (aggregate_type, aggregate_id)"
+		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq,"
+		"  stored_seq = CASE WHEN $4 THEN q.last_seq + excluded.last_seq ELSE q.stored_seq END,"
+		"  wal_seq = CASE WHEN $4 THEN q.wal_seq ELSE q.last_seq + excluded.last_seq END"
+		" RETURNING q.aggregate_id, q.last_seq), "
+		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
+		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
+								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
+								   " ORDER BY 2") ")"
+		" SELECT aggregate_id, last_seq FROM s",
+		4, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID, BOOLOID}
+	},
+	[ST_CURSOR_READ] = {
+		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
+	},
+	[ST_CURSOR_WRITE] = {
+		"UPDATE idempotency.outbox_cursor SET position = $1, event_id = $2"
+		" WHERE ctid IN (SELECT ctid FROM idempotency.outbox_cursor"
+		"                WHERE (position, event_id) < ($1, $2) FOR UPDATE SKIP LOCKED)",
+		2, {XID8OID, UUIDOID}
+	},
+	/*
+	 * A page of events from ($1, $2) on, in scan order.  The constant
+	 * LIMIT keeps the plan an ordered merge of the partitions' (txid, id)
+	 * indexes, whatever the statistics say about how many rows follow.
+	 */
+	[ST_SCAN] = {
+		"SELECT e.txid, e.aggregate_type, e.aggregate_id, e.seq, e.id, e.event_type,"
+		"       e.payload, e.headers, e.created_at, d.acked_seq, d.lease_until, d.retry_at"
+		" FROM (SELECT * FROM idempotency.outbox_events e"
+		"       WHERE (e.txid, e.id) >= ($1, $2)"
+		"       ORDER BY e.txid, e.id LIMIT " CppAsString2(OUTBOX_SCAN_CHUNK) ") e"
+		" LEFT JOIN LATERAL (SELECT d.acked_seq, d.lease_until, d.retry_at"
+		"   FROM idempotency.outbox_deliveries d"
+		"   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
+		"   LIMIT 1) d ON true"
+		" ORDER BY e.txid, e.id",
+		2, {XID8OID, UUIDOID}
+	},
+	[ST_ENSURE_DELIVERIES] = {
+		"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)"
+		" SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)"
+		" ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\""
+		" ON CONFLICT DO NOTHING",
+		2, {TEXTARRAYOID, TEXTARRAYOID}
+	},
+	[ST_LOCK_CANDIDATES] = {
+		DELIVERY_COLUMNS
+		DELIVERIES_BY_KEYS(" AND d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)",
+						   "FOR UPDATE SKIP LOCKED"),
+		3, {TEXTARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID}
+	},
+	[ST_PARKED_DUE] = {
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at <= $1"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[ST_PARKED_DEAD] = {
+		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at = 'infinity' AND d.dead_seq IS NOT NULL"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[ST_RUN] = {
+		"SELECT id, event_type, payload, headers, created_at, seq FROM idempotency.outbox_events"
+		" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\" AND seq > $3"
+		" ORDER BY seq LIMIT $4",
+		4, {TEXTOID, TEXTOID, INT8OID, INT4OID}
+	},
+	/* rows this transaction holds locked: found by ctid */
+	[ST_SET_STATE] = {
+		"UPDATE idempotency.outbox_deliveries d"
+		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
+		"     lease_until = u.until, attempts = u.attempts, retry_at = u.retry,"
+		"     dead_seq = u.dead, last_error = u.err, redrive_seq = u.redrive"
+		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
+		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[], $10::int8[])"
+		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err, redrive)"
+		" WHERE d.ctid = u.row_ctid",
+		10, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
+			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID, INT8ARRAYOID}
+	},
+	/*
+	 * Unpark if nothing stored is pending: the counter's row under FOR SHARE
+	 * SKIP LOCKED, so that a committed emit's seq is seen and the next emit
+	 * waits for this transaction; an emit in flight (a locked row: NULL)
+	 * keeps the aggregate parked, due at $3 at the latest, instead of a
+	 * wait.  No counter at all: nothing was ever emitted.
+	 */
+	[ST_UNPARK] = {
+		"UPDATE idempotency.outbox_deliveries d"
+		" SET retry_at = CASE"
+		"   WHEN d.acked_seq >= (SELECT s.stored_seq FROM idempotency.outbox_sequences s"
+		"                        WHERE s.aggregate_type = d.aggregate_type"
+		"                          AND s.aggregate_id = d.aggregate_id FOR SHARE SKIP LOCKED)"
+		"     OR NOT EXISTS (SELECT FROM idempotency.outbox_sequences s"
+		"                    WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id)"
+		"   THEN NULL ELSE greatest(d.retry_at, $3) END"
+		" WHERE d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
+		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL",
+		3, {TEXTOID, TEXTOID, TIMESTAMPTZOID}
+	},
+	[ST_DEAD_LETTER] = {
+		"INSERT INTO idempotency.outbox_dead_letters"
+		" (id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at,"
+		"  attempts, last_error, dead_at)"
+		" SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, e.payload,"
+		"        e.headers, e.created_at, $4, $5, $6"
+		" FROM idempotency.outbox_events e"
+		" WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\" AND e.seq = $3"
+		/* dead again after a rewind: the listing says so */
+		" ON CONFLICT (id) DO UPDATE SET attempts = excluded.attempts,"
+		"  last_error = excluded.last_error, dead_at = excluded.dead_at",
+		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
+	},
+	/* the ids say their partition and transaction: one (txid, id) probe each */
+	[ST_FIND_EVENTS] = {
+		"SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		" FROM unnest($1::xid8[], $2::uuid[]) AS k(t, i)"
+		" CROSS JOIN LATERAL (SELECT e.aggregate_type, e.aggregate_id, e.seq"
+		"   FROM idempotency.outbox_events e"
+		"   WHERE e.bucket = $3 AND e.txid = k.t AND e.id = k.i LIMIT 1) e",
+		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
+	},
+	[ST_LOCK_DELIVERIES] = {
+		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("", "FOR UPDATE"),
+		2, {TEXTARRAYOID, TEXTARRAYOID}
+	},
+	/* no index on lease_token (it would make every claim a non-HOT update) */
+	[ST_EXTEND] = {
+		"UPDATE idempotency.outbox_deliveries SET lease_until = $2"
+		" WHERE lease_token = $1 AND lease_until > $3"
+		" RETURNING leased_seq - acked_seq",
+		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
+	[ST_FIND_DEAD] = {
+		"SELECT x.id, x.aggregate_type, x.aggregate_id, x.seq"
+		" FROM idempotency.outbox_dead_letters x WHERE x.id = ANY ($1)"
+		" ORDER BY 2, 3, 4 FOR UPDATE",
+		1, {UUIDARRAYOID}
+	},
+	[ST_DELETE_DEAD] = {
+		"DELETE FROM idempotency.outbox_dead_letters WHERE id = ANY ($1)",
+		1, {UUIDARRAYOID}
+	},
+};
+
+static SPIPlanPtr prepared[NUM_STATEMENTS];
+
+/* Run a statement (see idem_statement_exec). */
+uint64
+outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
+{
+	return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
+}
+
+/*---- delivery state ----*/
+
+
+/* Read the locked rows of a DELIVERY_COLUMNS statement. */
+Delivery *
+outbox_read_deliveries(uint64 n)
+{
+	Delivery   *ds = palloc0(sizeof(Delivery) * Max(n, 1));
+
+	for (uint64 r = 0; r < n; r++)
+	{
+		Delivery   *d = &ds[r];
+		bool		isnull;
+		Datum		v;
+
+		d->aggregate_type = TextDatumGetCString(idem_spi_col(r, 1, &isnull));
+		d->aggregate_id = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
+		d->acked = DatumGetInt64(idem_spi_col(r, 3, &isnull));
+		v = idem_spi_col(r, 4, &isnull);
+		d->leased = !isnull;
+		if (d->leased)
+		{
+			d->leased_seq = DatumGetInt64(v);
+			v = idem_spi_col(r, 5, &isnull);
+			d->leased = !isnull;
+			if (!isnull)
+				memcpy(&d->token, DatumGetUUIDP(v), sizeof(pg_uuid_t));
+			v = idem_spi_col(r, 6, &isnull);
+			d->leased = d->leased && !isnull;
+			if (!isnull)
+				d->until = DatumGetTimestampTz(v);
+		}
+		d->attempts = DatumGetInt32(idem_spi_col(r, 7, &isnull));
+		v = idem_spi_col(r, 8, &isnull);
+		d->parked = !isnull;
+		if (!isnull)
+			d->retry_at = DatumGetTimestampTz(v);
+		v = idem_spi_col(r, 9, &isnull);
+		d->dead = !isnull;
+		if (!isnull)
+			d->dead_seq = DatumGetInt64(v);
+		v = idem_spi_col(r, 10, &isnull);
+		d->error = isnull ? NULL : TextDatumGetCString(v);
+		v = idem_spi_col(r, 11, &isnull);
+		d->redrive = !isnull;
+		if (!isnull)
+			d->redrive_seq = DatumGetInt64(v);
+		d->last_seq = DatumGetInt64(idem_spi_col(r, 12, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 13, &isnull)), &d->ctid);
+	}
+	return ds;
+}
+
+/*
+ * The transitions of a deliveries row.  They keep the states of "Delivery
+ * states" above (and the table's CHECK constraints): retry_at = infinity
+ * only at a dead head, a dead head parked and not leased, a waiting redrive
+ * only beside a lease.
+ */
+
+/* Park d, due at "at": found through retry_at, not the cursor. */
+void
+outbox_park(Delivery *d, TimestampTz at)
+{
+	d->parked = true;
+	d->retry_at = at;
+	d->changed = true;
+}
+
+/*
+ * The head is no longer dead (passed over, acked by hand, rewound past,
+ * discarded): an aggregate parked for good becomes due now.  It stays
+ * parked, as the cursor may have passed what follows.
+ */
+void
+outbox_clear_dead(Delivery *d, TimestampTz now)
+{
+	d->dead = false;
+	if (d->parked && TIMESTAMP_IS_NOEND(d->retry_at))
+		d->retry_at = now;
+	d->changed = true;
+}
+
+/*
+ * Go back to seq (at most acked + 1): what follows is delivered again, in
+ * order, including later events that died (they are retried in turn; their
+ * dead letters stay listed until redriven or discarded).  What it goes back
+ * to is behind the cursor: the aggregate is parked, due now.  Ends any
+ * lease: the caller has made sure that none is live, or that it ended.
+ */
+void
+outbox_rewind_to(Delivery *d, int64 seq, TimestampTz now)
+{
+	if (seq <= d->acked)
+		d->acked = seq - 1;
+	d->redrive = false;
+	d->leased = false;
+	if (d->dead && d->dead_seq > d->acked + 1)
+		outbox_clear_dead(d, now);
+	d->attempts = 0;
+	d->error = NULL;
+	outbox_park(d, now);
+}
+
+/* The lease ends; a redrive that waited for that happens now. */
+void
+outbox_end_lease(Delivery *d, TimestampTz now)
+{
+	d->leased = false;
+	d->changed = true;
+	if (d->redrive)
+		outbox_rewind_to(d, d->redrive_seq, now);
+}
+
+/* Write back every changed row, then unpark those that asked for it. */
+#define SET_STATE_COLUMNS	10
+void
+outbox_write_deliveries(Delivery *ds, int n, TimestampTz now)
+{
+	static const Oid elemtypes[SET_STATE_COLUMNS] = {TIDOID, INT8OID, INT8OID, UUIDOID,
+		TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID, INT8OID, TEXTOID, INT8OID};
+	Datum	   *v[SET_STATE_COLUMNS];
+	bool	   *isnull[SET_STATE_COLUMNS];
+	Datum		values[SET_STATE_COLUMNS];
+	int			m = 0;
+
+	for (int c = 0; c < SET_STATE_COLUMNS; c++)
+	{
+		v[c] = palloc(sizeof(Datum) * Max(n, 1));
+		isnull[c] = palloc0(sizeof(bool) * Max(n, 1));
+	}
+	for (int i = 0; i < n; i++)
+	{
+		Delivery   *d = &ds[i];
+
+		if (!d->changed)
+			continue;
+		Assert(!d->parked || !TIMESTAMP_IS_NOEND(d->retry_at) || d->dead);
+		Assert(!d->dead || (d->parked && !d->leased && d->dead_seq == d->acked + 1));
+		Assert(!d->redrive || d->leased);
+		v[0][m] = PointerGetDatum(&d->ctid);
+		v[1][m] = Int64GetDatum(d->acked);
+		v[2][m] = Int64GetDatum(d->leased_seq);
+		v[3][m] = UUIDPGetDatum(&d->token);
+		v[4][m] = TimestampTzGetDatum(d->until);
+		isnull[2][m] = isnull[3][m] = isnull[4][m] = !d->leased;
+		v[5][m] = Int32GetDatum(d->attempts);
+		v[6][m] = TimestampTzGetDatum(d->retry_at);
+		isnull[6][m] = !d->parked;
+		v[7][m] = Int64GetDatum(d->dead_seq);
+		isnull[7][m] = !d->dead;
+		v[8][m] = d->error ? CStringGetTextDatum(d->error) : (Datum) 0;
+		isnull[8][m] = d->error == NULL;
+		v[9][m] = Int64GetDatum(d->redrive_seq);
+		isnull[9][m] = !d->redrive;
+		m++;
+	}
+	if (m > 0)
+	{
+		for (int c = 0; c < SET_STATE_COLUMNS; c++)
+			values[c] = idem_build_array(v[c], isnull[c], m, elemtypes[c]);
+		(void) outbox_exec(ST_SET_STATE, values, NULL, SPI_OK_UPDATE);
+	}
+	for (int i = 0; i < n; i++)
+	{
+		if (ds[i].unpark)
+		{
+			Datum		keys[3];
+
+			keys[0] = CStringGetTextDatum(ds[i].aggregate_type);
+			keys[1] = CStringGetTextDatum(ds[i].aggregate_id);
+			keys[2] = TimestampTzGetDatum(now);
+			(void) outbox_exec(ST_UNPARK, keys, NULL, SPI_OK_UPDATE);
+		}
+	}
+}
+
+/* Key arrays ($1, $2) of the aggregates named by parallel string arrays. */
+void
+outbox_key_arrays(char **types, char **ids, int n, Datum *values)
+{
+	Datum	   *t = palloc(sizeof(Datum) * n);
+	Datum	   *i = palloc(sizeof(Datum) * n);
+
+	for (int k = 0; k < n; k++)
+	{
+		t[k] = CStringGetTextDatum(types[k]);
+		i[k] = CStringGetTextDatum(ids[k]);
+	}
+	values[0] = idem_build_array(t, NULL, n, TEXTOID);
+	values[1] = idem_build_array(i, NULL, n, TEXTOID);
+}
+
+/*
+ * Make sure these aggregates have deliveries rows.  Emits make them; this
+ * covers rows deleted by hand, and administrative acks and nacks.
+ */
+void
+outbox_ensure_deliveries(char **types, char **ids, int n)
+{
+	Datum		values[2];
+
+	if (n == 0)
+		return;
+	outbox_key_arrays(types, ids, n, values);
+	(void) outbox_exec(ST_ENSURE_DELIVERIES, values, NULL, SPI_OK_INSERT);
+}
+
+/* Lock the deliveries rows of these aggregates (waiting), in key order. */
+Delivery *
+outbox_lock_deliveries(char **types, char **ids, int n, int *nlocked)
+{
+	Datum		values[2];
+
+	*nlocked = 0;
+	if (n == 0)
+		return NULL;
+	outbox_key_arrays(types, ids, n, values);
+	*nlocked = (int) outbox_exec(ST_LOCK_DELIVERIES, values, NULL, SPI_OK_SELECT);
+	return outbox_read_deliveries(*nlocked);
+}
+
+bool
+outbox_lease_is(const Delivery *d, const pg_uuid_t *token)
+{
+	return memcmp(&d->token, token, sizeof(pg_uuid_t)) == 0;
+}
+
+bool
+outbox_lease_live(const Delivery *d, TimestampTz now)
+{
+	return d->leased && d->until > now;
+}
+
+bool
+outbox_lease_held(const Delivery *d, const pg_uuid_t *token, TimestampTz now)
+{
+	return outbox_lease_live(d, now) && outbox_lease_is(d, token);
+}
+
+/*
+ * Copy the event at seq of d's aggregate into the dead letters; false if it
+ * has no row to copy (emitted in outbox_mode 'wal', or its partition is gone).
+ */
+bool
+outbox_dead_letter(Delivery *d, int64 seq, const char *error, TimestampTz now)
+{
+	Datum		values[6];
+	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
+
+	values[0] = CStringGetTextDatum(d->aggregate_type);
+	values[1] = CStringGetTextDatum(d->aggregate_id);
+	values[2] = Int64GetDatum(seq);
+	values[3] = Int32GetDatum(d->attempts);
+	if (error != NULL)
+		values[4] = CStringGetTextDatum(error);
+	else
+		nulls[4] = 'n';
+	values[5] = TimestampTzGetDatum(now);
+	return outbox_exec(ST_DEAD_LETTER, values, nulls, SPI_OK_INSERT) > 0;
+}
+
+/*
+ * The head of d has been handed out outbox_max_attempts times and every
+ * attempt failed: dead-letter it (the caller applies the dead policy).  A
+ * head with no row to dead-letter is passed over: nothing could redrive or
+ * discard it.  The caller has applied any waiting redrive.
+ */
+void
+outbox_head_exhausted(Delivery *d, TimestampTz now)
+{
+	int64		head = d->acked + 1;
+
+	Assert(!d->redrive);
+	outbox_end_lease(d, now);
+	if (outbox_dead_letter(d, head, d->error != NULL ? d->error : "lease expired", now))
+	{
+		d->dead = true;
+		d->dead_seq = head;
+		return;
+	}
+	d->acked = head;
+	d->attempts = 0;
+	d->error = NULL;
+}
+
+/*
+ * A dead head under the policy in force: 'skip' passes it (its dead letter
+ * stays) and returns true; 'block' parks the aggregate for good (until a
+ * redrive, a discard or a claim under 'skip') and returns false.
+ */
+bool
+outbox_apply_dead_policy(Delivery *d, TimestampTz now)
+{
+	Assert(d->dead && !d->leased);
+	d->changed = true;
+	if (outbox_dead_policy == DEAD_SKIP)
+	{
+		d->acked = d->dead_seq;
+		outbox_clear_dead(d, now);
+		d->attempts = 0;
+		d->error = NULL;
+		return true;
+	}
+	outbox_park(d, DT_NOEND);
+	return false;
+}
+
+/*
+ * The first eight columns of both an outbox_events row and an
+ * idem_outbox_event: id ... created_at.
+ */
+void
+outbox_event_stored_values(const OutboxEvent *ev, Datum *values)
+{
+	values[0] = UUIDPGetDatum(&ev->id);
+	values[1] = CStringGetTextDatum(ev->aggregate_type);
+	values[2] = CStringGetTextDatum(ev->aggregate_id);
+	values[3] = Int64GetDatum(ev->seq);
+	values[4] = CStringGetTextDatum(ev->event_type);
+	values[5] = JsonbPGetDatum(ev->payload);
+	values[6] = JsonbPGetDatum(ev->headers);
+	values[7] = TimestampTzGetDatum(ev->created_at);
+}
+
+/* The columns of idem_outbox_event for one event. */
+void
+outbox_event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
+			 TimestampTz until, Datum *values, bool *nulls)
+{
+	memset(nulls, 0, sizeof(bool) * 11);
+	outbox_event_stored_values(ev, values);
+	values[8] = Int32GetDatum(attempts);
+	if (token != NULL)
+	{
+		values[9] = UUIDPGetDatum(token);
+		values[10] = TimestampTzGetDatum(until);
+	}
+	else
+		nulls[9] = nulls[10] = true;
+}
