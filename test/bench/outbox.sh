@@ -175,7 +175,7 @@ CREATE TABLE bench_outbox (
 SQL
     if [[ -z $BASE_ONLY ]]; then
         [[ $(q "$db" -c "SELECT to_regproc('idem_outbox_emit') IS NOT NULL") == t ]] ||
-            die "the idempotency extension here has no idem_outbox_emit(): build a version with the outbox (src/outbox.c)"
+            die "the idempotency extension here has no idem_outbox_emit(): build a version with the outbox (src/delivery/outbox.c)"
     fi
 }
 
