@@ -1,4 +1,4 @@
-# test/lib.sh: shared bash functions for test/run-tests, test/run-demo and
+# test/lib.sh: shared bash functions for test/run-tests, examples/demo/run and
 # test/bench/run.  Source it; do not run it.
 #
 #   idem_init                   globals, traps (cleanup on exit, ^C, TERM)
