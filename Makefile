@@ -37,14 +37,14 @@ OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c src/*/*.c)))
 # sql/versions/ (changes to objects of the earlier release), followed by the
 # sql/ext/ fragments that are wholly new in this version, so that no CREATE
 # statement is written twice.
-NEW_IN_VERSION = sql/ext/05_ownership.sql sql/ext/40_outbox.sql sql/ext/50_requests.sql sql/ext/55_inbox.sql sql/ext/60_partitions.sql sql/ext/65_stats.sql \
-                 sql/ext/70_replay.sql sql/ext/80_shards.sql
+NEW_IN_VERSION = sql/functions/05_ownership.sql sql/functions/40_outbox.sql sql/functions/50_requests.sql sql/functions/55_inbox.sql sql/functions/60_partitions.sql sql/functions/65_stats.sql \
+                 sql/functions/70_replay.sql sql/functions/80_shards.sql
 # ... and then, like the install script, a first maintenance round (the new
 # stores get their first partitions at once)
-EXT_INIT = sql/ext/99_init.sql
-UPGRADE_TO_CURRENT = $(sort $(wildcard sql/versions/idempotency--*--$(EXTVERSION).sql))
+EXT_INIT = sql/init.sql
+UPGRADE_TO_CURRENT = $(sort $(wildcard sql/updates/idempotency--*--$(EXTVERSION).sql))
 DATA_built = idempotency--$(EXTVERSION).sql $(notdir $(UPGRADE_TO_CURRENT))
-DATA = $(filter-out $(UPGRADE_TO_CURRENT),$(sort $(wildcard sql/versions/idempotency--*.sql)))
+DATA = $(sort $(wildcard sql/released/idempotency--*.sql))
 PG_CPPFLAGS = -Isrc
 # -Wextra's unused-parameter fires in PostgreSQL's own headers (and on every
 # PG_FUNCTION_ARGS), so it alone is off
@@ -56,10 +56,10 @@ ifneq ($(filter 1 yes true,$(WERROR)),)
 PG_CFLAGS += -Werror
 endif
 
-EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
+EXT_SQL = $(sort $(wildcard sql/functions/*.sql)) $(EXT_INIT)
 
-ifneq ($(wildcard sql/versions/idempotency--$(EXTVERSION).sql),)
-$(error sql/versions/idempotency--$(EXTVERSION).sql exists, but version $(EXTVERSION) is built from sql/ext: bump default_version in $(EXTENSION).control)
+ifneq ($(wildcard sql/released/idempotency--$(EXTVERSION).sql),)
+$(error sql/released/idempotency--$(EXTVERSION).sql exists, but version $(EXTVERSION) is built from sql/functions: bump default_version in $(EXTENSION).control)
 endif
 
 # regression tests: sql/<name>.sql with expected/<name>.out (the install and
@@ -94,7 +94,7 @@ endif
 idempotency--$(EXTVERSION).sql: $(EXT_SQL)
 	cat $(EXT_SQL) > $@
 
-$(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION) $(EXT_INIT)
+$(notdir $(UPGRADE_TO_CURRENT)): %: sql/updates/% $(NEW_IN_VERSION) $(EXT_INIT)
 	cat $^ > $@
 
 $(OBJS): $(wildcard src/*.h src/*/*.h)

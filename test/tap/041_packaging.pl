@@ -56,9 +56,14 @@ like(slurp('CHANGELOG.md'), qr/^## \Q$default_version\E\b/m,
 	"CHANGELOG.md has a section for $default_version");
 
 # --- install and upgrade scripts
-opendir(my $dh, "$root/sql/versions") or die "sql/versions: $!";
-my @scripts = sort grep { /^idempotency--.*\.sql$/ } readdir $dh;
-closedir $dh;
+my @scripts;
+foreach my $dir (qw(sql/released sql/updates))
+{
+	opendir(my $dh, "$root/$dir") or die "$dir: $!";
+	push @scripts, grep { /^idempotency--.*\.sql$/ } readdir $dh;
+	closedir $dh;
+}
+@scripts = sort @scripts;
 my @installs = map { /^idempotency--([^-]+)\.sql$/ ? $1 : () } @scripts;
 my %upgrades;    # from => [to, ...]
 foreach (@scripts)
@@ -67,7 +72,7 @@ foreach (@scripts)
 }
 ok(scalar(grep { $_ eq '1.0' } @installs), 'the 1.0 install script is kept');
 ok(!grep({ $_ eq $default_version } @installs),
-	"$default_version is built from sql/ext, not frozen in sql/versions");
+	"$default_version is built from sql/functions, not frozen in sql/released");
 
 # Released scripts never change: a database made by one must stay what the
 # upgrade scripts expect.  Add each release's script here when it is frozen.
@@ -76,7 +81,7 @@ my %released = (
 );
 foreach my $f (sort keys %released)
 {
-	is(sha256_hex(slurp("sql/versions/$f")), $released{$f}, "released script $f unchanged");
+	is(sha256_hex(slurp("sql/released/$f")), $released{$f}, "released script $f unchanged");
 }
 
 # every earlier version reaches the current one through upgrade scripts
@@ -97,13 +102,14 @@ foreach my $v (@installs)
 foreach my $f (grep { /--.*--/ } @scripts)
 {
 	my ($to) = $f =~ /--([^-]+)\.sql$/;
-	like(slurp("sql/versions/$f"),
+	my $dir = -f "$root/sql/released/$f" ? 'sql/released' : 'sql/updates';
+	like(slurp("$dir/$f"),
 		qr/\A\\echo Use "ALTER EXTENSION idempotency UPDATE TO '\Q$to\E'" to load this file\. \\quit\n/,
 		"$f starts with its \\echo guard");
 }
 
 # pg_regress (Makefile REGRESS, test/run-tests) takes every sql/*.sql
-opendir($dh, "$root/sql") or die "sql: $!";
+opendir(my $dh, "$root/sql") or die "sql: $!";
 my @stray = grep { /^idempotency--.*\.sql$/ } readdir $dh;
 closedir $dh;
 is("@stray", '', 'no install or upgrade script in sql/ (it would run as a regression test)');
