@@ -1,12 +1,12 @@
 -- Retention: settings, maintenance and the partitions view.
 
-CREATE FUNCTION idem_configure(retention interval DEFAULT NULL,
+CREATE OR REPLACE FUNCTION idem_configure(retention interval DEFAULT NULL,
                                partition_interval interval DEFAULT NULL,
                                premake integer DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_configure' LANGUAGE C VOLATILE;
 
-CREATE FUNCTION idem_maintain()
+CREATE OR REPLACE FUNCTION idem_maintain()
     RETURNS TABLE(action text, object text)
     AS 'MODULE_PATHNAME', 'idem_maintain' LANGUAGE C VOLATILE;
 

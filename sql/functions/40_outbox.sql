@@ -1,183 +1,56 @@
--- Transactional outbox: events that commit with the business write.
---
--- Events are insert-only rows in time partitions of idempotency.outbox_events
--- (declarative LIST partitions on "bucket", one random bucket per partition,
--- so a publication with publish_via_partition_root sees every partition, old
--- and new, and partitions restored from a dump never clash with those
--- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
--- emit counter of an aggregate lives in outbox_sequences, its delivery state
--- in outbox_deliveries, both narrow tables whose updates touch no indexed
--- column (HOT).  See src/outbox.c and src/outbox_store.c.
---
--- This file is new in 1.1: the upgrade script from 1.0 includes it whole
--- (see the Makefile), so it must only create objects.
+-- Transactional outbox: the functions, the dead letters' view and the
+-- partitions' trigger (the tables are in sql/tables/40_outbox.sql).
 
-CREATE TABLE idempotency.outbox_events (
-    id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
-    aggregate_type text COLLATE "C" NOT NULL,
-    aggregate_id   text COLLATE "C" NOT NULL,
-    seq            bigint NOT NULL,          -- 1, 2, 3 ... per aggregate
-    event_type     text NOT NULL,
-    payload        jsonb NOT NULL,
-    headers        jsonb NOT NULL,
-    created_at     timestamptz NOT NULL,
-    txid           xid8 NOT NULL,            -- the emitting transaction
-    bucket         integer NOT NULL          -- the partition it went into
-) PARTITION BY LIST (bucket);
 COMMENT ON TABLE idempotency.outbox_events IS
     'outbox events, insert-only, in time partitions (emit with idem_outbox_emit())';
 
--- The partitions, as maintenance made them: the time range of the events
--- each takes (while maintenance lags, the newest also takes later ones).
--- Every partition has indexes of its own, made with it (none is declared on
--- the parent, whose indexes pg_restore could not attach dumped ones to).
-CREATE TABLE idempotency.outbox_partitions (
-    relid  regclass    PRIMARY KEY,
-    bucket integer     NOT NULL UNIQUE,
-    lower  timestamptz NOT NULL,
-    upper  timestamptz NOT NULL,
-    CHECK (lower < upper)
-);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_partitions', '');
-
 -- Emitters cache the partition list; changes reach them like the claims'.
-CREATE TRIGGER outbox_partitions_changed
+CREATE OR REPLACE TRIGGER outbox_partitions_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.outbox_partitions
     FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
 ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partitions_changed;
 
--- Per aggregate: the seq of its newest event.  Emitters update it (and hold
--- its row lock to commit: that is what makes seq gap-free and in commit
--- order).  stored_seq and wal_seq say which of those seqs have an event row:
--- outbox_mode 'wal' emits none (logical decoding delivers it), so no relay
--- waits for it and the backlog does not count it.
-CREATE TABLE idempotency.outbox_sequences (
-    aggregate_type text COLLATE "C" NOT NULL,
-    aggregate_id   text COLLATE "C" NOT NULL,
-    last_seq       bigint NOT NULL,
-    stored_seq     bigint NOT NULL DEFAULT 0,   -- the newest seq stored as a row (0: none)
-    wal_seq        bigint NOT NULL DEFAULT 0,   -- the newest seq not stored ('wal'; 0: none)
-    PRIMARY KEY (aggregate_type, aggregate_id)
-) WITH (fillfactor = 50);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
-
--- Per aggregate: how far delivery got, and who holds it.  Relays update it;
--- only a change of retry_at (parking after a failure, unparking) is not HOT.
--- Every state has a way out, and the checks keep out those that would not
--- (see "Delivery states" in src/outbox.c): an aggregate is parked for good
--- only at a dead head (which skip, redrive and discard see), a dead head is
--- parked and leased to nobody, and a redrive waits only for a lease.
-CREATE TABLE idempotency.outbox_deliveries (
-    aggregate_type text COLLATE "C" NOT NULL,
-    aggregate_id   text COLLATE "C" NOT NULL,
-    acked_seq      bigint NOT NULL DEFAULT 0,   -- delivered up to here
-    leased_seq     bigint,                      -- handed out up to here under the lease
-    lease_token    uuid,
-    lease_until    timestamptz,
-    attempts       integer NOT NULL DEFAULT 0,  -- hand-outs of the head since it last moved
-    retry_at       timestamptz,                 -- parked: found by this, not by the cursor
-    dead_seq       bigint,                      -- the head is dead-lettered
-    last_error     text,
-    redrive_seq    bigint,                      -- redriven behind the live lease: back here once it ends
-    PRIMARY KEY (aggregate_type, aggregate_id),
-    CONSTRAINT outbox_deliveries_lease
-        CHECK ((leased_seq IS NULL) = (lease_token IS NULL) AND (lease_token IS NULL) = (lease_until IS NULL)),
-    CONSTRAINT outbox_deliveries_dead_head
-        CHECK (dead_seq IS NULL OR (dead_seq = acked_seq + 1 AND retry_at IS NOT NULL AND lease_token IS NULL)),
-    CONSTRAINT outbox_deliveries_blocked
-        CHECK (retry_at <> 'infinity' OR dead_seq IS NOT NULL),
-    CONSTRAINT outbox_deliveries_redrive
-        CHECK (redrive_seq IS NULL OR lease_token IS NOT NULL)
-) WITH (fillfactor = 50);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
-CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
-    WHERE retry_at IS NOT NULL;
-
--- Every event before (position, event_id) is delivered, or
--- belongs to a parked aggregate: relays scan from here.  A lower bound only;
--- written at most about once a second per relay.  Not dumped: transaction
--- ids mean nothing in another cluster, so a restore starts from 0.
-CREATE TABLE idempotency.outbox_cursor (
-    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    position  xid8 NOT NULL,                    -- an emitting transaction ...
-    event_id  uuid NOT NULL                     -- ... and an event id in it
-);
-INSERT INTO idempotency.outbox_cursor (position, event_id)
-VALUES ('0', '00000000-0000-0000-0000-000000000000');
-
--- Dead-lettered events (a copy of each), until redriven or discarded.
-CREATE TABLE idempotency.outbox_dead_letters (
-    id             uuid PRIMARY KEY,
-    aggregate_type text COLLATE "C" NOT NULL,
-    aggregate_id   text COLLATE "C" NOT NULL,
-    seq            bigint NOT NULL,
-    event_type     text NOT NULL,
-    payload        jsonb NOT NULL,
-    headers        jsonb NOT NULL,
-    created_at     timestamptz NOT NULL,
-    attempts       integer NOT NULL,
-    last_error     text,
-    dead_at        timestamptz NOT NULL
-);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_dead_letters', '');
-CREATE INDEX outbox_dead_letters_aggregate
-    ON idempotency.outbox_dead_letters (aggregate_type, aggregate_id, seq);
-
-CREATE VIEW idempotency.outbox_dead AS
+CREATE OR REPLACE VIEW idempotency.outbox_dead AS
 SELECT id, aggregate_type, aggregate_id, seq, event_type, payload, headers,
        created_at, attempts, last_error, dead_at
 FROM idempotency.outbox_dead_letters;
 COMMENT ON VIEW idempotency.outbox_dead IS
     'dead-lettered outbox events (idem_outbox_redrive() puts them back, idem_outbox_discard() drops them)';
 
-CREATE TYPE idem_outbox_event AS (
-    id             uuid,
-    aggregate_type text,
-    aggregate_id   text,
-    seq            bigint,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb,
-    created_at     timestamptz,
-    attempts       integer,
-    lease_token    uuid,
-    lease_until    timestamptz
-);
-
-CREATE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
+CREATE OR REPLACE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
                                  payload jsonb, headers jsonb DEFAULT '{}')
     RETURNS idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_emit' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_emit_many(aggregate_type text, aggregate_ids text[],
+CREATE OR REPLACE FUNCTION idem_outbox_emit_many(aggregate_type text, aggregate_ids text[],
                                       event_types text[], payloads jsonb[],
                                       headers jsonb[] DEFAULT NULL)
     RETURNS SETOF idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_emit_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
+CREATE OR REPLACE FUNCTION idem_outbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
                                   aggregate_types text[] DEFAULT NULL)
     RETURNS SETOF idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_ack(ids uuid[], lease_token uuid DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_outbox_ack(ids uuid[], lease_token uuid DEFAULT NULL)
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_outbox_ack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_nack(id uuid, error text, retry_after interval DEFAULT NULL,
+CREATE OR REPLACE FUNCTION idem_outbox_nack(id uuid, error text, retry_after interval DEFAULT NULL,
                                  lease_token uuid DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_outbox_nack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_extend(lease_token uuid, lease interval)
+CREATE OR REPLACE FUNCTION idem_outbox_extend(lease_token uuid, lease interval)
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_outbox_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_redrive(ids uuid[])
+CREATE OR REPLACE FUNCTION idem_outbox_redrive(ids uuid[])
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_outbox_redrive' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_outbox_discard(ids uuid[])
+CREATE OR REPLACE FUNCTION idem_outbox_discard(ids uuid[])
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_outbox_discard' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -204,7 +77,7 @@ COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
 -- a monitoring role granted only the view; it reads only a partition that
 -- is ours (idempotency.relation_distrust()).  May scan the partition:
 -- maintenance and the view ask it only of partitions past their retention.
-CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
+CREATE OR REPLACE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp

@@ -17,11 +17,8 @@
 -- a value since this one's last, else it is left advanced, with a
 -- WARNING.  Counters: the function runs with idempotency.stats_sandbox on
 -- (src/stats.c), so nothing its runs count reaches idempotency.stats.
---
--- This file is new in 1.1: the upgrade script from 1.0 includes it whole
--- (see the Makefile), so it must only create objects.
 
-CREATE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
+CREATE OR REPLACE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
                                   runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
                                   crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
     RETURNS TABLE(run integer, deliveries integer, ok boolean, difference text)
@@ -278,7 +275,7 @@ $fn$;
 COMMENT ON FUNCTION idem_check_replay(regprocedure, jsonb[], text, integer, float8, float8, integer) IS
     'replay a handler''s events shuffled, with duplicates and crashes, and compare with the in-order run (all rolled back)';
 
-CREATE FUNCTION idem_is_replay_safe(handler regprocedure, events jsonb[], state_query text,
+CREATE OR REPLACE FUNCTION idem_is_replay_safe(handler regprocedure, events jsonb[], state_query text,
                                     description text DEFAULT NULL)
     RETURNS text
     LANGUAGE plpgsql VOLATILE
