@@ -80,9 +80,9 @@ EXTRA_CLEAN = results/ regression.diffs regression.out log/ tmp_check/ \
 
 # built scripts of any version (a bumped default_version leaves the old ones)
 EXTRA_CLEAN += sql/idempotency--*.sql sql/idempotency--*.sql.tmp
-# The built scripts are in sql/, beside the regression tests for now: they
-# are none of those.
-REGRESS := $(filter-out idempotency--%,$(REGRESS))
+# The built scripts and sql/init.sql are in sql/, beside the regression
+# tests for now: they are none of those.
+REGRESS := $(filter-out idempotency--% init,$(REGRESS))
 
 # no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
 override with_llvm = no
