@@ -1,8 +1,8 @@
 -- Retention: settings, maintenance and the partitions view.
 
 CREATE OR REPLACE FUNCTION idem_configure(retention interval DEFAULT NULL,
-                               partition_interval interval DEFAULT NULL,
-                               premake integer DEFAULT NULL)
+                                          partition_interval interval DEFAULT NULL,
+                                          premake integer DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_configure' LANGUAGE C VOLATILE;
 

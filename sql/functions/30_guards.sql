@@ -16,12 +16,12 @@ COMMENT ON FUNCTION idempotency.transition_guard() IS
     'trigger installed by idem_guard_transitions(): skips or rejects state changes not in the map';
 
 CREATE OR REPLACE FUNCTION idem_guard_version(target regclass, version_column name DEFAULT 'version',
-                                   on_stale text DEFAULT 'skip')
+                                              on_stale text DEFAULT 'skip')
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_guard_version' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_guard_transitions(target regclass, state_column name, transitions jsonb,
-                                       on_invalid text DEFAULT 'skip')
+                                                  on_invalid text DEFAULT 'skip')
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_guard_transitions' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 

@@ -18,18 +18,18 @@ COMMENT ON VIEW idempotency.outbox_dead IS
     'dead-lettered outbox events (idem_outbox_redrive() puts them back, idem_outbox_discard() drops them)';
 
 CREATE OR REPLACE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
-                                 payload jsonb, headers jsonb DEFAULT '{}')
+                                            payload jsonb, headers jsonb DEFAULT '{}')
     RETURNS idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_emit' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_outbox_emit_many(aggregate_type text, aggregate_ids text[],
-                                      event_types text[], payloads jsonb[],
-                                      headers jsonb[] DEFAULT NULL)
+                                                 event_types text[], payloads jsonb[],
+                                                 headers jsonb[] DEFAULT NULL)
     RETURNS SETOF idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_emit_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_outbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
-                                  aggregate_types text[] DEFAULT NULL)
+                                             aggregate_types text[] DEFAULT NULL)
     RETURNS SETOF idem_outbox_event
     AS 'MODULE_PATHNAME', 'idem_outbox_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -38,7 +38,7 @@ CREATE OR REPLACE FUNCTION idem_outbox_ack(ids uuid[], lease_token uuid DEFAULT 
     AS 'MODULE_PATHNAME', 'idem_outbox_ack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_outbox_nack(id uuid, error text, retry_after interval DEFAULT NULL,
-                                 lease_token uuid DEFAULT NULL)
+                                            lease_token uuid DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_outbox_nack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 

@@ -11,13 +11,13 @@ CREATE OR REPLACE TRIGGER request_partitions_changed
 ALTER TABLE idempotency.request_partitions ENABLE ALWAYS TRIGGER request_partitions_changed;
 
 CREATE OR REPLACE FUNCTION idem_request_begin(key text, scope text DEFAULT 'default', payload jsonb DEFAULT NULL,
-                                   lease interval DEFAULT '1 minute', wait interval DEFAULT '0')
+                                              lease interval DEFAULT '1 minute', wait interval DEFAULT '0')
     RETURNS TABLE(status text, response jsonb, response_status integer, attempt integer,
                   recovery_point text, state jsonb)
     AS 'MODULE_PATHNAME', 'idem_request_begin' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_request_checkpoint(key text, scope text, attempt integer, recovery_point text,
-                                        state jsonb DEFAULT NULL)
+                                                   state jsonb DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_request_checkpoint' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -30,7 +30,7 @@ CREATE OR REPLACE FUNCTION idem_request_extend(key text, scope text, attempt int
     AS 'MODULE_PATHNAME', 'idem_request_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_request_complete(key text, scope text DEFAULT 'default', response jsonb DEFAULT NULL,
-                                      attempt integer DEFAULT NULL, response_status integer DEFAULT NULL)
+                                                 attempt integer DEFAULT NULL, response_status integer DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_request_complete' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 

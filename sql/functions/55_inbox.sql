@@ -20,12 +20,12 @@ COMMENT ON VIEW idempotency.inbox_dead IS
     'dead-lettered inbox messages (idem_inbox_replay() makes them claimable again)';
 
 CREATE OR REPLACE FUNCTION idem_inbox_receive(source text, message_id text, payload jsonb,
-                                   headers jsonb DEFAULT '{}')
+                                              headers jsonb DEFAULT '{}')
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_inbox_receive' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_inbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
-                                 sources text[] DEFAULT NULL)
+                                            sources text[] DEFAULT NULL)
     RETURNS SETOF idem_inbox_message
     AS 'MODULE_PATHNAME', 'idem_inbox_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -34,7 +34,7 @@ CREATE OR REPLACE FUNCTION idem_inbox_done(ids uuid[], lease_token uuid DEFAULT 
     AS 'MODULE_PATHNAME', 'idem_inbox_done' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_inbox_fail(id uuid, error text, retry_after interval DEFAULT NULL,
-                                lease_token uuid DEFAULT NULL)
+                                           lease_token uuid DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_inbox_fail' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 

@@ -19,8 +19,8 @@
 -- (src/stats.c), so nothing its runs count reaches idempotency.stats.
 
 CREATE OR REPLACE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
-                                  runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
-                                  crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
+                                             runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
+                                             crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
     RETURNS TABLE(run integer, deliveries integer, ok boolean, difference text)
     LANGUAGE plpgsql VOLATILE
     -- the runs' payload mismatches, conflicts and guarded-write refusals
@@ -276,7 +276,7 @@ COMMENT ON FUNCTION idem_check_replay(regprocedure, jsonb[], text, integer, floa
     'replay a handler''s events shuffled, with duplicates and crashes, and compare with the in-order run (all rolled back)';
 
 CREATE OR REPLACE FUNCTION idem_is_replay_safe(handler regprocedure, events jsonb[], state_query text,
-                                    description text DEFAULT NULL)
+                                               description text DEFAULT NULL)
     RETURNS text
     LANGUAGE plpgsql VOLATILE
 AS $fn$

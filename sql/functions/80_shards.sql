@@ -28,7 +28,7 @@ CREATE OR REPLACE FUNCTION idem_shard_assert(routing_key text)
     AS 'MODULE_PATHNAME', 'idem_shard_assert' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 
 CREATE OR REPLACE FUNCTION idem_claim_routed(routing_key text, key text, scope text DEFAULT 'default',
-                                  payload jsonb DEFAULT NULL)
+                                             payload jsonb DEFAULT NULL)
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_claim_routed' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -100,7 +100,7 @@ REVOKE ALL ON FUNCTION idempotency.shard_cluster_statement(text) FROM PUBLIC;
 -- PL/Proxy will read it on the router (src/shards.c): the input arguments
 -- it uses (1-based positions in names) and its type.
 CREATE OR REPLACE FUNCTION idempotency.shard_routing_check(routing_expr text, names text[], types regtype[],
-                                                OUT args integer[], OUT type regtype)
+                                                           OUT args integer[], OUT type regtype)
     AS 'MODULE_PATHNAME', 'idem_shard_routing_check' LANGUAGE C STABLE;
 REVOKE ALL ON FUNCTION idempotency.shard_routing_check(text, text[], regtype[]) FROM PUBLIC;
 
@@ -108,7 +108,7 @@ REVOKE ALL ON FUNCTION idempotency.shard_routing_check(text, text[], regtype[]) 
 -- DDL that a DBA runs on the router); search_path is pinned, so every name
 -- in its output is schema-qualified unless it is in pg_catalog.
 CREATE OR REPLACE FUNCTION idem_shard_router_ddl(handler regprocedure, routing_expr text,
-                                      cluster text DEFAULT 'idem', split text[] DEFAULT NULL)
+                                                 cluster text DEFAULT 'idem', split text[] DEFAULT NULL)
     RETURNS text
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp
