@@ -1,4 +1,4 @@
--- Which relations are ours (src/ownership.c): the SECURITY DEFINER
+-- Which relations are ours (src/common/ownership.c): the SECURITY DEFINER
 -- functions that read a partition by its registry entry ask this first, and
 -- read nothing that is not a plain table of ours.
 

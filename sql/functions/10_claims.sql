@@ -2,7 +2,7 @@
 --
 -- idem_claim() writes straight into the partitions of idempotency.claims
 -- (never into the parent, whose trigger refuses a direct insert) under its
--- own cross-partition value lock; see src/claims.c.
+-- own cross-partition value lock; see src/claims/claims.c.
 
 COMMENT ON TABLE idempotency.claims IS
     'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';

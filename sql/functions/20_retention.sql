@@ -19,5 +19,5 @@ COMMENT ON FUNCTION idem_maintain() IS
 -- 60_partitions.sql.
 
 -- Maintenance is a capability: a round runs as the extension's owner
--- (src/retention.c), so who may start one is who holds EXECUTE.
+-- (src/maintenance/maintenance.c), so who may start one is who holds EXECUTE.
 REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;

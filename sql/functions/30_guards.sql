@@ -3,7 +3,7 @@
 -- A guard is a BEFORE UPDATE row trigger named idem_guard_version or
 -- idem_guard_transitions whose arguments hold its whole configuration, so
 -- pg_dump/pg_restore keep guards like any other trigger.  All functions run
--- with the caller's privileges (no SECURITY DEFINER); see src/guards.h.
+-- with the caller's privileges (no SECURITY DEFINER); see src/guards/guards.h.
 
 CREATE OR REPLACE FUNCTION idempotency.version_guard() RETURNS trigger
     AS 'MODULE_PATHNAME', 'idem_version_guard' LANGUAGE C;

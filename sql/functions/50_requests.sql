@@ -1,6 +1,6 @@
 -- Request idempotency: the idem_request_* functions and the partitions'
 -- trigger (the tables, and how a request is stored, are in
--- sql/tables/50_requests.sql).  See src/requests.c.
+-- sql/tables/50_requests.sql).  See src/delivery/requests.c.
 
 COMMENT ON TABLE idempotency.requests IS
     'Idempotency-Key requests and their stored responses, in time partitions (see idem_request_begin())';

@@ -2,7 +2,7 @@
 -- table) and idempotency.consumers (every scope ever claimed in).
 --
 -- The counters live in shared memory when the library is preloaded (see
--- src/stats.c); without preload the view answers what the tables can tell
+-- src/stats/stats.c); without preload the view answers what the tables can tell
 -- and leaves the rest NULL.  Like PostgreSQL's own statistics views these
 -- are for monitoring roles (pg_monitor, see the end of this file): they
 -- read them whole without any right on the tables behind (stats_rows()
@@ -41,7 +41,7 @@ COMMENT ON TABLE idempotency.scope_history IS
 
 -- Per scope: the claims of the partitions not sealed yet, in the caller's
 -- snapshot (STABLE), so a seal that committed is seen both here and in
--- scope_history, or in neither.  In C (src/stats.c): it reads only the
+-- scope_history, or in neither.  In C (src/stats/stats.c): it reads only the
 -- partitions that are ours (idempotency.relation_distrust()), by a heap
 -- scan that plans nothing, so no code a partition's owner attached runs;
 -- it checks no table privilege, so it needs no SECURITY DEFINER.

@@ -16,7 +16,7 @@
 -- hands out the same values) -- a sequence only if no other session took
 -- a value since this one's last, else it is left advanced, with a
 -- WARNING.  Counters: the function runs with idempotency.stats_sandbox on
--- (src/stats.c), so nothing its runs count reaches idempotency.stats.
+-- (src/stats/stats.c), so nothing its runs count reaches idempotency.stats.
 
 CREATE OR REPLACE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
                                              runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
@@ -24,7 +24,7 @@ CREATE OR REPLACE FUNCTION idem_check_replay(handler regprocedure, events jsonb[
     RETURNS TABLE(run integer, deliveries integer, ok boolean, difference text)
     LANGUAGE plpgsql VOLATILE
     -- the runs' payload mismatches, conflicts and guarded-write refusals
-    -- count only if they commit, as their claims do: never (src/stats.c)
+    -- count only if they commit, as their claims do: never (src/stats/stats.c)
     SET idempotency.stats_sandbox = on
 AS $fn$
 DECLARE

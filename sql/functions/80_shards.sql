@@ -1,5 +1,5 @@
 -- Scale-out with PL/Proxy: the shard ownership guard and the generator of
--- router-side DDL.  See src/shards.c and README "Scale-out".
+-- router-side DDL.  See src/shards/shards.c and README "Scale-out".
 
 GRANT SELECT ON idempotency.shard_ownership TO PUBLIC;
 COMMENT ON TABLE idempotency.shard_ownership IS
@@ -97,7 +97,7 @@ CREATE OR REPLACE FUNCTION idempotency.shard_cluster_statement(cluster text) RET
 REVOKE ALL ON FUNCTION idempotency.shard_cluster_statement(text) FROM PUBLIC;
 
 -- The routing expression, checked on its parse tree as PostgreSQL and
--- PL/Proxy will read it on the router (src/shards.c): the input arguments
+-- PL/Proxy will read it on the router (src/shards/shards.c): the input arguments
 -- it uses (1-based positions in names) and its type.
 CREATE OR REPLACE FUNCTION idempotency.shard_routing_check(routing_expr text, names text[], types regtype[],
                                                            OUT args integer[], OUT type regtype)

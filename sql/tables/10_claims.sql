@@ -4,7 +4,7 @@
 -- idempotency.claims is the inheritance parent of the time partitions and the
 -- place to query claims with SQL.  idem_claim() writes straight into the
 -- partitions (never into the parent) under its own cross-partition value
--- lock; see src/claims.c.  Privileges on idempotency.claims decide who may
+-- lock; see src/claims/claims.c.  Privileges on idempotency.claims decide who may
 -- claim (INSERT), look up (SELECT) and release (DELETE).
 
 CREATE TABLE idempotency.claims (

@@ -9,7 +9,7 @@
 -- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
 -- emit counter of an aggregate lives in outbox_sequences, its delivery state
 -- in outbox_deliveries, both narrow tables whose updates touch no indexed
--- column (HOT).  See src/outbox.c and src/outbox_store.c.
+-- column (HOT).  See src/delivery/outbox.c.
 
 CREATE TABLE idempotency.outbox_events (
     id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
@@ -55,7 +55,7 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 -- Per aggregate: how far delivery got, and who holds it.  Relays update it;
 -- only a change of retry_at (parking after a failure, unparking) is not HOT.
 -- Every state has a way out, and the checks keep out those that would not
--- (see "Delivery states" in src/outbox.c): an aggregate is parked for good
+-- (see "Delivery states" in src/delivery/outbox.c): an aggregate is parked for good
 -- only at a dead head (which skip, redrive and discard see), a dead head is
 -- parked and leased to nobody, and a redrive waits only for a lease.
 CREATE TABLE idempotency.outbox_deliveries (

@@ -9,7 +9,7 @@
 -- state, and once completed the response.  The rows live in time partitions
 -- (LIST on "bucket", like the outbox's events, made and dropped by the
 -- maintenance round); a row is updated in place while its request runs and
--- never deleted.  See src/requests.c.
+-- never deleted.  See src/delivery/requests.c.
 
 CREATE TABLE idempotency.requests (
     scope           text COLLATE "C" NOT NULL,

@@ -1,14 +1,14 @@
 -- Inbox: messages stored idempotently the moment they arrive, processed
--- later by workers that lease them (src/inbox.c).  The tables and the
+-- later by workers that lease them (src/delivery/inbox.c).  The tables and the
 -- message type; the functions, the dead letters' view and the partitions'
 -- trigger are in sql/functions/55_inbox.sql.
 --
 -- A message is received at most once per (source, message_id) within the
 -- retention: idem_inbox_receive() claims the key in scope 'inbox:<source>'
--- (src/claims.c) and stores the message only if the claim is new.  Messages
+-- (src/claims/claims.c) and stores the message only if the claim is new.  Messages
 -- live in time partitions of idempotency.inbox_messages (declarative LIST
 -- partitions on "bucket", one random bucket per partition, like the
--- outbox's events; src/store.c makes and drops them).  Unlike outbox
+-- outbox's events; src/maintenance/store_partitions.c makes and drops them).  Unlike outbox
 -- events, a message carries its processing state in its own row (lease,
 -- attempts, retry time, done, dead): a claim, done or fail updates the
 -- message row (done is not a HOT update), so a long transaction elsewhere

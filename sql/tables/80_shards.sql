@@ -1,6 +1,6 @@
 -- Scale-out with PL/Proxy: the shard ownership table (the guard, its
 -- cache trigger and the generators of router-side DDL are in
--- sql/functions/80_shards.sql).  See src/shards.c.
+-- sql/functions/80_shards.sql).  See src/shards/shards.c.
 
 -- At most one row: this database owns hash partitions owned of partitions
 -- (PL/Proxy's partition = hashtext(routing key) & (partitions - 1)).  No

@@ -126,7 +126,7 @@ ALTER TABLE idempotency.settings
 ---- who owns what, and who may maintain ----------------------------------
 
 -- A 1.1 round runs as the extension's owner and acts only on partitions that
--- owner owns (src/ownership.c).  Under 1.0 the role that ran the rounds
+-- owner owns (src/common/ownership.c).  Under 1.0 the role that ran the rounds
 -- created the partitions, and a DBA may have given the tables to a
 -- maintenance role: every table of the schema goes back to the extension's
 -- owner, and that role keeps maintaining through EXECUTE on the two
