@@ -1,21 +1,18 @@
 # PGXS build for the idempotency extension.
 #
-# The install script of the current version, idempotency--$(EXTVERSION).sql,
-# is assembled from one fragment per subsystem in sql/ext/ (in name order),
-# so each subsystem keeps its SQL next to nothing else's.  EXTVERSION is the
-# default_version of idempotency.control.
-#
-# Released versions are frozen in sql/versions/: the install script of each
-# earlier release (idempotency--1.0.sql) and the upgrade scripts
-# (idempotency--1.0--1.1.sql).  Every object added to or changed in sql/ext/
-# goes into the upgrade script to the current version too (a fragment that
-# is new as a whole is listed in NEW_IN_VERSION and appended when the script
-# is built); the TAP test
-# test/tap/040_upgrade.pl checks that every earlier version, updated, has
-# the objects of a fresh install.  To release
-# version X and start X+1: copy the built idempotency--X.sql into
-# sql/versions/, add sql/versions/idempotency--X--X+1.sql, bump
-# default_version.
+# The SQL scripts are built (doc/development.md, "The SQL scripts"):
+#   sql/idempotency--$(EXTVERSION).sql, the install script: sql/tables/*.sql
+#     (run once: schema, tables, types), then sql/functions/*.sql with
+#     CREATE OR REPLACE turned into CREATE (an install never takes over an
+#     object it did not make), then sql/init.sql (a first maintenance round);
+#   sql/idempotency--A--$(EXTVERSION).sql, the update from A: the hand-written
+#     sql/updates/idempotency--A--$(EXTVERSION).sql, the sql/tables/ files
+#     wholly new in this version (NEW_TABLES), every sql/functions/ file as
+#     written, then sql/init.sql.
+# EXTVERSION is the default_version of idempotency.control.  Released
+# scripts are frozen in sql/released/ and installed as they are; how a
+# version is released and the next begun: doc/development.md, "Releasing a
+# version".
 #
 # Tests are run by test/run-tests, which drives pg_regress,
 # pg_isolation_regress, prove and pg_prove against real servers;
@@ -33,18 +30,19 @@ endif
 
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c src/*/*.c)))
-# Upgrade scripts to the version being built: the hand-written script in
-# sql/versions/ (changes to objects of the earlier release), followed by the
-# sql/ext/ fragments that are wholly new in this version, so that no CREATE
-# statement is written twice.
-NEW_IN_VERSION = sql/ext/05_ownership.sql sql/ext/40_outbox.sql sql/ext/50_requests.sql sql/ext/55_inbox.sql sql/ext/60_partitions.sql sql/ext/65_stats.sql \
-                 sql/ext/70_replay.sql sql/ext/80_shards.sql
-# ... and then, like the install script, a first maintenance round (the new
-# stores get their first partitions at once)
-EXT_INIT = sql/ext/99_init.sql
-UPGRADE_TO_CURRENT = $(sort $(wildcard sql/versions/idempotency--*--$(EXTVERSION).sql))
-DATA_built = idempotency--$(EXTVERSION).sql $(notdir $(UPGRADE_TO_CURRENT))
-DATA = $(filter-out $(UPGRADE_TO_CURRENT),$(sort $(wildcard sql/versions/idempotency--*.sql)))
+SQL_TABLES = $(sort $(wildcard sql/tables/*.sql))
+SQL_FUNCTIONS = $(sort $(wildcard sql/functions/*.sql))
+SQL_INIT = sql/init.sql
+# The sql/tables/ files wholly new in this version: the update to it creates
+# their objects (tables of files that existed in the previous release are
+# changed in sql/updates/).  Emptied when a version is released.
+NEW_TABLES = sql/tables/40_outbox.sql sql/tables/50_requests.sql sql/tables/55_inbox.sql \
+             sql/tables/65_stats.sql sql/tables/80_shards.sql
+SQL_INSTALL = sql/idempotency--$(EXTVERSION).sql
+SQL_UPDATES = $(sort $(wildcard sql/updates/idempotency--*--$(EXTVERSION).sql))
+SQL_UPDATES_BUILT = $(patsubst sql/updates/%,sql/%,$(SQL_UPDATES))
+DATA_built = $(SQL_INSTALL) $(SQL_UPDATES_BUILT)
+DATA = $(sort $(wildcard sql/released/idempotency--*.sql))
 PG_CPPFLAGS = -Isrc
 # -Wextra's unused-parameter fires in PostgreSQL's own headers (and on every
 # PG_FUNCTION_ARGS), so it alone is off
@@ -56,10 +54,17 @@ ifneq ($(filter 1 yes true,$(WERROR)),)
 PG_CFLAGS += -Werror
 endif
 
-EXT_SQL = $(sort $(wildcard sql/ext/*.sql))
-
-ifneq ($(wildcard sql/versions/idempotency--$(EXTVERSION).sql),)
-$(error sql/versions/idempotency--$(EXTVERSION).sql exists, but version $(EXTVERSION) is built from sql/ext: bump default_version in $(EXTENSION).control)
+ifneq ($(wildcard sql/released/idempotency--$(EXTVERSION).sql),)
+$(error sql/released/idempotency--$(EXTVERSION).sql exists: version $(EXTVERSION) is released, so it is not built again; bump default_version in $(EXTENSION).control (doc/development.md, "Releasing a version"))
+endif
+ifneq ($(filter-out $(SQL_UPDATES),$(wildcard sql/updates/*.sql)),)
+$(error $(filter-out $(SQL_UPDATES),$(wildcard sql/updates/*.sql)): sql/updates/ holds only updates to $(EXTVERSION), the version being built (a released update is frozen in sql/released/))
+endif
+ifneq ($(wildcard $(patsubst sql/updates/%,sql/released/%,$(SQL_UPDATES))),)
+$(error $(wildcard $(patsubst sql/updates/%,sql/released/%,$(SQL_UPDATES))) is released, but sql/updates/ builds it again)
+endif
+ifneq ($(filter-out $(SQL_TABLES),$(NEW_TABLES)),)
+$(error NEW_TABLES names $(filter-out $(SQL_TABLES),$(NEW_TABLES)), which does not exist)
 endif
 
 # regression tests: test/regress/sql/<name>.sql with
@@ -74,6 +79,9 @@ EXTRA_CLEAN = test/regress/results/ test/regress/regression.diffs \
 	test/regress/regression.out test/regress/log/ test/regress/tmp_check/ \
 	test/isolation/output_iso/ test/isolation/results/ test/isolation/log/ \
 	test/isolation/tmp_check/ test/tap/tmp_check/ test/tap/log/
+
+# built scripts of any version (a bumped default_version leaves the old ones)
+EXTRA_CLEAN += sql/idempotency--*.sql sql/idempotency--*.sql.tmp
 
 # no LLVM bitcode: JIT inlining of these functions buys nothing and needs clang
 override with_llvm = no
@@ -93,10 +101,16 @@ $(error idempotency supports PostgreSQL $(PG_SUPPORTED_MAJORS), but $(PG_CONFIG)
 endif
 endif
 
-idempotency--$(EXTVERSION).sql: $(EXT_SQL)
-	cat $(EXT_SQL) > $@
+# Only a CREATE OR REPLACE at the start of a line is a statement's: the
+# generators' DDL inside function bodies is indented or quoted.
+$(SQL_INSTALL): $(SQL_TABLES) $(SQL_FUNCTIONS) $(SQL_INIT)
+	{ cat $(SQL_TABLES) && \
+	  sed -E 's/^CREATE OR REPLACE (FUNCTION|VIEW|TRIGGER) /CREATE \1 /' $(SQL_FUNCTIONS) && \
+	  cat $(SQL_INIT); } > $@.tmp
+	mv $@.tmp $@
 
-$(notdir $(UPGRADE_TO_CURRENT)): %: sql/versions/% $(NEW_IN_VERSION) $(EXT_INIT)
-	cat $^ > $@
+$(SQL_UPDATES_BUILT): sql/%: sql/updates/% $(NEW_TABLES) $(SQL_FUNCTIONS) $(SQL_INIT)
+	cat $^ > $@.tmp
+	mv $@.tmp $@
 
 $(OBJS): $(wildcard src/*.h src/*/*.h)

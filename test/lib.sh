@@ -153,7 +153,7 @@ idem_build_install() {
     mkdir "$IDEM_WORK"
     tar -C "$IDEM_ROOT" -cf - \
         --exclude=./.git --exclude='*.o' --exclude='*.so' --exclude='*.bc' \
-        --exclude='./idempotency--*.sql' --exclude=results --exclude=output_iso \
+        --exclude='./idempotency--*.sql' --exclude='./sql/idempotency--*.sql' --exclude=results --exclude=output_iso \
         --exclude=tmp_check --exclude='regression.diffs' --exclude='regression.out' . \
         | tar -C "$IDEM_WORK" -xf -
     local log=$IDEM_TMP/build.log destdir=() werror=() how=''

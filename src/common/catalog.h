@@ -3,7 +3,8 @@
  * catalog.h
  *	  The extension's schema and the columns of its own tables that C reads
  *	  or writes by number: one description, which must match the CREATE
- *	  TABLE statements in sql/ (and the 1.0 -> 1.1 update, which appends).
+ *	  TABLE statements in sql/tables/ (and the updates in sql/updates/, which
+ *	  append).
  *
  *-------------------------------------------------------------------------
  */

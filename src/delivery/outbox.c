@@ -5,7 +5,7 @@
  *	  caller's transaction; relays lease aggregates with idem_outbox_claim()
  *	  and settle them with ack, nack, extend, redrive and discard.
  *
- * Storage (sql/ext/40_outbox.sql): events are insert-only rows in time
+ * Storage (sql/tables/40_outbox.sql): events are insert-only rows in time
  * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):

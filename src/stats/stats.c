@@ -11,7 +11,7 @@
  * shared hash table for the whole cluster, keyed by (database, relation,
  * scope).  Without preload there is no shared memory, counting costs a
  * pointer test, and the view answers from the tables instead
- * (sql/ext/65_stats.sql).  Counters start at zero when the server starts:
+ * (sql/functions/65_stats.sql).  Counters start at zero when the server starts:
  * nothing is written to disk.  idempotency.track_stats = off stops the
  * counting (for one session, or everywhere).
  *

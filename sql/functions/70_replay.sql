@@ -16,18 +16,15 @@
 -- hands out the same values) -- a sequence only if no other session took
 -- a value since this one's last, else it is left advanced, with a
 -- WARNING.  Counters: the function runs with idempotency.stats_sandbox on
--- (src/stats.c), so nothing its runs count reaches idempotency.stats.
---
--- This file is new in 1.1: the upgrade script from 1.0 includes it whole
--- (see the Makefile), so it must only create objects.
+-- (src/stats/stats.c), so nothing its runs count reaches idempotency.stats.
 
-CREATE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
-                                  runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
-                                  crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
+CREATE OR REPLACE FUNCTION idem_check_replay(handler regprocedure, events jsonb[], state_query text,
+                                             runs integer DEFAULT 20, duplicate_rate float8 DEFAULT 0.3,
+                                             crash_rate float8 DEFAULT 0.1, seed integer DEFAULT 0)
     RETURNS TABLE(run integer, deliveries integer, ok boolean, difference text)
     LANGUAGE plpgsql VOLATILE
     -- the runs' payload mismatches, conflicts and guarded-write refusals
-    -- count only if they commit, as their claims do: never (src/stats.c)
+    -- count only if they commit, as their claims do: never (src/stats/stats.c)
     SET idempotency.stats_sandbox = on
 AS $fn$
 DECLARE
@@ -278,8 +275,8 @@ $fn$;
 COMMENT ON FUNCTION idem_check_replay(regprocedure, jsonb[], text, integer, float8, float8, integer) IS
     'replay a handler''s events shuffled, with duplicates and crashes, and compare with the in-order run (all rolled back)';
 
-CREATE FUNCTION idem_is_replay_safe(handler regprocedure, events jsonb[], state_query text,
-                                    description text DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_is_replay_safe(handler regprocedure, events jsonb[], state_query text,
+                                               description text DEFAULT NULL)
     RETURNS text
     LANGUAGE plpgsql VOLATILE
 AS $fn$

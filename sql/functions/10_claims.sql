@@ -1,22 +1,13 @@
--- Claims: the dedup marker.
+-- Claims: the dedup marker (the table is in sql/tables/10_claims.sql).
 --
--- idempotency.claims is the inheritance parent of the time partitions and the
--- place to query claims with SQL.  idem_claim() writes straight into the
--- partitions (never into the parent) under its own cross-partition value
--- lock; see src/claims.c.  Privileges on idempotency.claims decide who may
--- claim (INSERT), look up (SELECT) and release (DELETE).
+-- idem_claim() writes straight into the partitions of idempotency.claims
+-- (never into the parent, whose trigger refuses a direct insert) under its
+-- own cross-partition value lock; see src/claims/claims.c.
 
-CREATE TABLE idempotency.claims (
-    scope       text COLLATE "C" NOT NULL,
-    key         text COLLATE "C" NOT NULL,
-    claimed_at  timestamptz NOT NULL,
-    fingerprint bigint,         -- payload hash of claims made by version 1.0
-    digest      bytea           -- SHA-256 of the claim's canonical payload, if one was given
-);
 COMMENT ON TABLE idempotency.claims IS
     'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';
 
-CREATE FUNCTION idempotency.claims_read_only() RETURNS trigger
+CREATE OR REPLACE FUNCTION idempotency.claims_read_only() RETURNS trigger
     LANGUAGE plpgsql AS
 $$
 BEGIN
@@ -28,23 +19,23 @@ $$;
 
 REVOKE ALL ON FUNCTION idempotency.claims_read_only() FROM PUBLIC;
 
-CREATE TRIGGER claims_read_only
+CREATE OR REPLACE TRIGGER claims_read_only
     BEFORE INSERT ON idempotency.claims
     FOR EACH ROW EXECUTE FUNCTION idempotency.claims_read_only();
 
-CREATE FUNCTION idem_claim(key text, scope text DEFAULT 'default', payload jsonb DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_claim(key text, scope text DEFAULT 'default', payload jsonb DEFAULT NULL)
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_claim_many(keys text[], scope text DEFAULT 'default')
+CREATE OR REPLACE FUNCTION idem_claim_many(keys text[], scope text DEFAULT 'default')
     RETURNS SETOF text
     AS 'MODULE_PATHNAME', 'idem_claim_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-CREATE FUNCTION idem_claimed(key text, scope text DEFAULT 'default')
+CREATE OR REPLACE FUNCTION idem_claimed(key text, scope text DEFAULT 'default')
     RETURNS timestamptz
     AS 'MODULE_PATHNAME', 'idem_claimed' LANGUAGE C STABLE PARALLEL RESTRICTED;
 
-CREATE FUNCTION idem_release(key text, scope text DEFAULT 'default')
+CREATE OR REPLACE FUNCTION idem_release(key text, scope text DEFAULT 'default')
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_release' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 

@@ -1,27 +1,27 @@
 \echo Use "ALTER EXTENSION idempotency UPDATE TO '1.1'" to load this file. \quit
 
--- idempotency 1.0 -> 1.1 upgrade script.
+-- idempotency 1.0 -> 1.1 update script: the hand-written part.
 --
--- The rule: every object added to sql/ext/ for 1.1 (or changed there since
--- 1.0) goes into this script too, in the same commit, so that
--- ALTER EXTENSION idempotency UPDATE gives exactly the objects of a fresh
--- 1.1 install, with claims, settings, partitions and guards intact.
---   * new objects: the same CREATE statements as in sql/ext/ (internals
---     qualified with idempotency., public idem_* functions unqualified:
---     the update runs with search_path set to the extension's schema, as
---     CREATE EXTENSION does);
---   * changed functions: CREATE OR REPLACE, or DROP and CREATE when the
---     signature or return type changes;
+-- The Makefile builds sql/idempotency--1.0--1.1.sql from this file, then
+-- the sql/tables/ files wholly new in 1.1 (NEW_TABLES), then every
+-- sql/functions/ file as written (CREATE OR REPLACE), then sql/init.sql; see
+-- doc/development.md, "The SQL scripts".  So this file holds only what
+-- cannot simply be run again (internals qualified with idempotency.,
+-- public idem_* functions unqualified: the update runs with search_path
+-- set to the extension's schema, as CREATE EXTENSION does):
+--   * the locks, taken first;
 --   * new columns of existing tables: ALTER TABLE ... ADD COLUMN, which can
---     only append, so add them at the end of the CREATE TABLE in sql/ext/;
---   * new configuration tables: pg_extension_config_dump() here as well;
---   * GRANT/REVOKE and COMMENT ON as in sql/ext/.
--- Fragments of sql/ext/ that are new in 1.1 as a whole (the outbox,
--- sql/ext/40_outbox.sql, and the partitions view, sql/ext/60_partitions.sql)
--- are not copied here: the Makefile appends them when it builds the
--- installed script (NEW_IN_VERSION).
--- Existing claim partitions are ordinary tables, not extension members: if
--- their shape changes, alter them here as well.
+--     only append, so add them at the end of the CREATE TABLE in
+--     sql/tables/ (and existing claim partitions are ordinary tables, not
+--     extension members: if their shape changes, alter them here as well);
+--   * data fixes;
+--   * DROP of what changes shape or goes: a function whose signature or
+--     return type changes, a view whose columns change other than by
+--     appending, a trigger whose function is dropped, an object 1.1 no
+--     longer has;
+--   * pg_extension_config_dump() of a new configuration table in a table
+--     file that existed in 1.0.
+-- No function, view, trigger, comment or grant is copied here.
 -- test/tap/040_upgrade.pl installs 1.0 with claims, settings, sealed
 -- partitions and guards, updates it, checks that all of it still works, and
 -- compares every member object (and the partitions' shape) with a fresh
@@ -104,44 +104,15 @@ BEGIN
 END
 $$;
 
--- the invalidation trigger function under its new name
-CREATE FUNCTION idempotency.partition_cache_invalidate() RETURNS trigger
-    AS 'MODULE_PATHNAME', 'idem_partition_cache_invalidate' LANGUAGE C;
-REVOKE ALL ON FUNCTION idempotency.partition_cache_invalidate() FROM PUBLIC;
-
+-- the invalidation trigger function has a new name
+-- (idempotency.partition_cache_invalidate(), in sql/functions/00_schema.sql,
+-- which makes the triggers again)
 DROP TRIGGER registry_changed ON idempotency.partition_registry;
-CREATE TRIGGER registry_changed
-    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.partition_registry
-    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
-ALTER TABLE idempotency.partition_registry ENABLE ALWAYS TRIGGER registry_changed;
-
 DROP TRIGGER settings_changed ON idempotency.settings;
-CREATE TRIGGER settings_changed
-    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.settings
-    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
-ALTER TABLE idempotency.settings ENABLE ALWAYS TRIGGER settings_changed;
-
 DROP FUNCTION idempotency.registry_changed();
-
-CREATE FUNCTION idempotency.cached_partitions(
-        OUT partition regclass, OUT lower timestamptz, OUT upper timestamptz,
-        OUT sealed boolean, OUT keep_until timestamptz, OUT generation bigint)
-    RETURNS SETOF record
-    AS 'MODULE_PATHNAME', 'idem_cached_partitions' LANGUAGE C VOLATILE;
-COMMENT ON FUNCTION idempotency.cached_partitions() IS
-    'the partitions as this backend''s cache lists them (diagnosis)';
-
-CREATE FUNCTION idempotency.filter_status(
-        OUT mode text, OUT memory_bytes bigint, OUT used_bytes bigint,
-        OUT filters integer, OUT refused bigint)
-    RETURNS record
-    AS 'MODULE_PATHNAME', 'idem_filter_status' LANGUAGE C VOLATILE;
-COMMENT ON FUNCTION idempotency.filter_status() IS
-    'where Bloom filters of sealed partitions are held (shared or local), how full, how many loads found no room';
 
 -- claims: SHA-256 payload digests (recurses into the existing partitions)
 ALTER TABLE idempotency.claims ADD COLUMN digest bytea;
-REVOKE ALL ON FUNCTION idempotency.claims_read_only() FROM PUBLIC;
 
 -- settings: the defaults live in the library only
 ALTER TABLE idempotency.settings
@@ -149,24 +120,18 @@ ALTER TABLE idempotency.settings
     ALTER COLUMN partition_interval DROP DEFAULT,
     ALTER COLUMN premake DROP DEFAULT;
 
-CREATE FUNCTION idempotency.current_settings(
-        OUT retention interval, OUT partition_interval interval, OUT premake integer)
-    RETURNS record
-    AS 'MODULE_PATHNAME', 'idem_current_settings' LANGUAGE C STABLE;
-COMMENT ON FUNCTION idempotency.current_settings() IS
-    'retention, partition_interval and premake in force (the defaults when none were configured)';
-
--- the partitions view gains columns at the end: sql/ext/60_partitions.sql,
--- appended by the Makefile, replaces it in place
+-- the partitions view gains columns at the end: sql/functions/60_partitions.sql
+-- replaces it in place
 
 ---- who owns what, and who may maintain ----------------------------------
 
 -- A 1.1 round runs as the extension's owner and acts only on partitions that
--- owner owns (src/ownership.c).  Under 1.0 the role that ran the rounds
+-- owner owns (src/common/ownership.c).  Under 1.0 the role that ran the rounds
 -- created the partitions, and a DBA may have given the tables to a
 -- maintenance role: every table of the schema goes back to the extension's
 -- owner, and that role keeps maintaining through EXECUTE on the two
--- functions, which PUBLIC no longer has.
+-- functions, which PUBLIC no longer has (sql/functions/20_retention.sql
+-- revokes it).
 DO $$
 DECLARE
     ext_owner regrole := (SELECT e.extowner::regrole FROM pg_catalog.pg_extension e
@@ -187,4 +152,3 @@ BEGIN
     END LOOP;
 END
 $$;
-REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;

@@ -1,12 +1,12 @@
 -- Retention: settings, maintenance and the partitions view.
 
-CREATE FUNCTION idem_configure(retention interval DEFAULT NULL,
-                               partition_interval interval DEFAULT NULL,
-                               premake integer DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_configure(retention interval DEFAULT NULL,
+                                          partition_interval interval DEFAULT NULL,
+                                          premake integer DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_configure' LANGUAGE C VOLATILE;
 
-CREATE FUNCTION idem_maintain()
+CREATE OR REPLACE FUNCTION idem_maintain()
     RETURNS TABLE(action text, object text)
     AS 'MODULE_PATHNAME', 'idem_maintain' LANGUAGE C VOLATILE;
 
@@ -19,5 +19,5 @@ COMMENT ON FUNCTION idem_maintain() IS
 -- 60_partitions.sql.
 
 -- Maintenance is a capability: a round runs as the extension's owner
--- (src/retention.c), so who may start one is who holds EXECUTE.
+-- (src/maintenance/maintenance.c), so who may start one is who holds EXECUTE.
 REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;

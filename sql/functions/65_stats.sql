@@ -2,7 +2,7 @@
 -- table) and idempotency.consumers (every scope ever claimed in).
 --
 -- The counters live in shared memory when the library is preloaded (see
--- src/stats.c); without preload the view answers what the tables can tell
+-- src/stats/stats.c); without preload the view answers what the tables can tell
 -- and leaves the rest NULL.  Like PostgreSQL's own statistics views these
 -- are for monitoring roles (pg_monitor, see the end of this file): they
 -- read them whole without any right on the tables behind (stats_rows()
@@ -10,27 +10,16 @@
 -- live_scopes() is C that reads without checking table privileges).
 -- Nothing here reads a partition that is not ours
 -- (idempotency.relation_distrust()): the partition's owner could have
--- attached code that would run with the reader's rights.
---
--- This file is new in 1.1: the upgrade script from 1.0 includes it whole
--- (see the Makefile), so it must only create objects (and fill the scope
--- history from the partitions 1.0 sealed).
+-- attached code that would run with the reader's rights.  The row type
+-- and the scope history are in sql/tables/65_stats.sql.
 
--- A counted row of idempotency.stats.
-CREATE TYPE idempotency.stats_row AS (
-    scope text, relation regclass,
-    claims bigint, duplicates bigint, payload_mismatches bigint,
-    releases bigint, stale_skips bigint, invalid_transitions bigint,
-    requests_started bigint, requests_completed bigint, requests_conflicted bigint,
-    last_claim_at timestamptz, last_duplicate_at timestamptz);
-
-CREATE FUNCTION idempotency.stats_counters()
+CREATE OR REPLACE FUNCTION idempotency.stats_counters()
     RETURNS SETOF idempotency.stats_row
     AS 'MODULE_PATHNAME', 'idem_stats_counters' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 COMMENT ON FUNCTION idempotency.stats_counters() IS
     'this database''s shared-memory counters since the last reset (no rows unless the library is preloaded)';
 
-CREATE FUNCTION idempotency.stats_info(
+CREATE OR REPLACE FUNCTION idempotency.stats_info(
         OUT preloaded boolean, OUT max_scopes integer, OUT scopes_tracked integer,
         OUT databases integer, OUT dropped bigint, OUT stats_reset timestamptz,
         OUT last_maintenance timestamptz, OUT database_scopes integer, OUT fair_share integer)
@@ -39,7 +28,7 @@ CREATE FUNCTION idempotency.stats_info(
 COMMENT ON FUNCTION idempotency.stats_info() IS
     'whether counters are kept, idempotency.stats_max_scopes, rows in use (all databases), events no row could take, this database''s last reset and last committed maintenance round, the rows it holds and the fair share it may keep';
 
-CREATE FUNCTION idem_stats_reset(all_databases boolean DEFAULT false)
+CREATE OR REPLACE FUNCTION idem_stats_reset(all_databases boolean DEFAULT false)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_stats_reset' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 COMMENT ON FUNCTION idem_stats_reset(boolean) IS
@@ -47,34 +36,16 @@ COMMENT ON FUNCTION idem_stats_reset(boolean) IS
 -- Resetting is an operator's business, like pg_stat_reset().
 REVOKE ALL ON FUNCTION idem_stats_reset(boolean) FROM PUBLIC;
 
--- Per scope: what the claims of the partitions sealed so far held.  The
--- maintenance round adds a partition here in the same transaction that
--- seals it, so every claim is counted once: here once sealed, in the live
--- partitions before.  Kept by pg_dump.
-CREATE TABLE idempotency.scope_history (
-    scope          text COLLATE "C" PRIMARY KEY,
-    first_claim_at timestamptz NOT NULL,
-    last_claim_at  timestamptz NOT NULL,
-    claims         bigint NOT NULL
-);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.scope_history', '');
 COMMENT ON TABLE idempotency.scope_history IS
     'claims per scope of the sealed partitions (written by maintenance; read idempotency.consumers)';
 
--- 1.0 sealed partitions without this table: count them now.
-INSERT INTO idempotency.scope_history
-SELECT c.scope, min(c.claimed_at), max(c.claimed_at), count(*)
-FROM idempotency.claims c
-WHERE c.tableoid IN (SELECT r.relid FROM idempotency.partition_registry r WHERE r.sealed)
-GROUP BY c.scope;
-
 -- Per scope: the claims of the partitions not sealed yet, in the caller's
 -- snapshot (STABLE), so a seal that committed is seen both here and in
--- scope_history, or in neither.  In C (src/stats.c): it reads only the
+-- scope_history, or in neither.  In C (src/stats/stats.c): it reads only the
 -- partitions that are ours (idempotency.relation_distrust()), by a heap
 -- scan that plans nothing, so no code a partition's owner attached runs;
 -- it checks no table privilege, so it needs no SECURITY DEFINER.
-CREATE FUNCTION idempotency.live_scopes(
+CREATE OR REPLACE FUNCTION idempotency.live_scopes(
         OUT scope text, OUT first_claim_at timestamptz, OUT last_claim_at timestamptz,
         OUT claims bigint)
     RETURNS SETOF record
@@ -82,7 +53,7 @@ CREATE FUNCTION idempotency.live_scopes(
 COMMENT ON FUNCTION idempotency.live_scopes() IS
     'claims per scope in the partitions not sealed yet (those that are not the extension''s are skipped)';
 
-CREATE VIEW idempotency.consumers AS
+CREATE OR REPLACE VIEW idempotency.consumers AS
 SELECT x.scope,
        min(x.first_claim_at) AS first_claim_at,
        max(x.last_claim_at) AS last_claim_at,
@@ -101,7 +72,7 @@ COMMENT ON VIEW idempotency.consumers IS
 -- dead-lettered head waits; the head itself counts as dead.  Only stored
 -- events wait: what outbox_mode 'wal' emitted (no row) went out through
 -- logical decoding, and a relay passes over its seqs.
-CREATE VIEW idempotency.outbox_backlog AS
+CREATE OR REPLACE VIEW idempotency.outbox_backlog AS
 WITH pending AS (
     SELECT s.aggregate_type, s.aggregate_id, a.done,
            CASE WHEN s.stored_seq <= a.done THEN 0
@@ -145,7 +116,7 @@ COMMENT ON VIEW idempotency.outbox_backlog IS
 
 -- Per source: the inbox's messages not done yet, dead letters among them,
 -- and the age of the oldest waiting one (gauges, read from the tables).
-CREATE VIEW idempotency.inbox_backlog AS
+CREATE OR REPLACE VIEW idempotency.inbox_backlog AS
 SELECT m.source::text AS source,
        count(*) FILTER (WHERE m.dead_at IS NULL) AS pending,
        count(*) FILTER (WHERE m.dead_at IS NOT NULL) AS dead,
@@ -166,7 +137,7 @@ COMMENT ON VIEW idempotency.inbox_backlog IS
 -- by partition, and only from the partitions that are ours
 -- (idempotency.relation_distrust()), since planning over one could run its
 -- owner's code.
-CREATE FUNCTION idempotency.stats_rows()
+CREATE OR REPLACE FUNCTION idempotency.stats_rows()
     RETURNS SETOF idempotency.stats_row
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
@@ -224,7 +195,7 @@ COMMENT ON FUNCTION idempotency.stats_rows() IS
 -- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
 -- An inbox source's backlog joins its claims' row ('inbox:<source>').  The
 -- columns of SPEC section 6 come first, in its order; the inbox's follow.
-CREATE VIEW idempotency.stats AS
+CREATE OR REPLACE VIEW idempotency.stats AS
 SELECT coalesce(r.scope, o.scope, i.scope) AS scope,
        r.relation,
        r.claims, r.duplicates, r.payload_mismatches, r.releases,

@@ -25,8 +25,9 @@
 -- a message that is not done (pending, leased, waiting or dead).
 --
 -- The columns of the 1.0 view come first, in their order, so that the
--- upgrade replaces the view in place (CREATE OR REPLACE): a view of a
--- user's over it must not block ALTER EXTENSION UPDATE.
+-- upgrade replaces the view in place (CREATE OR REPLACE, which can only
+-- append columns): a view of a user's over it must not block ALTER
+-- EXTENSION UPDATE.  Add a column at the end, never between.
 CREATE OR REPLACE VIEW idempotency.partitions AS
 SELECT r.relid AS partition,
        r.lower,

@@ -1,4 +1,6 @@
--- Transactional outbox: events that commit with the business write.
+-- Transactional outbox: events that commit with the business write (the
+-- tables and the event type; the functions, the view and the partitions'
+-- trigger are in sql/functions/40_outbox.sql).
 --
 -- Events are insert-only rows in time partitions of idempotency.outbox_events
 -- (declarative LIST partitions on "bucket", one random bucket per partition,
@@ -7,10 +9,7 @@
 -- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
 -- emit counter of an aggregate lives in outbox_sequences, its delivery state
 -- in outbox_deliveries, both narrow tables whose updates touch no indexed
--- column (HOT).  See src/outbox.c and src/outbox_store.c.
---
--- This file is new in 1.1: the upgrade script from 1.0 includes it whole
--- (see the Makefile), so it must only create objects.
+-- column (HOT).  See src/delivery/outbox.c.
 
 CREATE TABLE idempotency.outbox_events (
     id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
@@ -24,8 +23,6 @@ CREATE TABLE idempotency.outbox_events (
     txid           xid8 NOT NULL,            -- the emitting transaction
     bucket         integer NOT NULL          -- the partition it went into
 ) PARTITION BY LIST (bucket);
-COMMENT ON TABLE idempotency.outbox_events IS
-    'outbox events, insert-only, in time partitions (emit with idem_outbox_emit())';
 
 -- The partitions, as maintenance made them: the time range of the events
 -- each takes (while maintenance lags, the newest also takes later ones).
@@ -39,12 +36,6 @@ CREATE TABLE idempotency.outbox_partitions (
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_partitions', '');
-
--- Emitters cache the partition list; changes reach them like the claims'.
-CREATE TRIGGER outbox_partitions_changed
-    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.outbox_partitions
-    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
-ALTER TABLE idempotency.outbox_partitions ENABLE ALWAYS TRIGGER outbox_partitions_changed;
 
 -- Per aggregate: the seq of its newest event.  Emitters update it (and hold
 -- its row lock to commit: that is what makes seq gap-free and in commit
@@ -64,7 +55,7 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 -- Per aggregate: how far delivery got, and who holds it.  Relays update it;
 -- only a change of retry_at (parking after a failure, unparking) is not HOT.
 -- Every state has a way out, and the checks keep out those that would not
--- (see "Delivery states" in src/outbox.c): an aggregate is parked for good
+-- (see "Delivery states" in src/delivery/outbox.c): an aggregate is parked for good
 -- only at a dead head (which skip, redrive and discard see), a dead head is
 -- parked and leased to nobody, and a redrive waits only for a lease.
 CREATE TABLE idempotency.outbox_deliveries (
@@ -123,13 +114,6 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_dead_letters', ''
 CREATE INDEX outbox_dead_letters_aggregate
     ON idempotency.outbox_dead_letters (aggregate_type, aggregate_id, seq);
 
-CREATE VIEW idempotency.outbox_dead AS
-SELECT id, aggregate_type, aggregate_id, seq, event_type, payload, headers,
-       created_at, attempts, last_error, dead_at
-FROM idempotency.outbox_dead_letters;
-COMMENT ON VIEW idempotency.outbox_dead IS
-    'dead-lettered outbox events (idem_outbox_redrive() puts them back, idem_outbox_discard() drops them)';
-
 CREATE TYPE idem_outbox_event AS (
     id             uuid,
     aggregate_type text,
@@ -143,96 +127,3 @@ CREATE TYPE idem_outbox_event AS (
     lease_token    uuid,
     lease_until    timestamptz
 );
-
-CREATE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
-                                 payload jsonb, headers jsonb DEFAULT '{}')
-    RETURNS idem_outbox_event
-    AS 'MODULE_PATHNAME', 'idem_outbox_emit' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_emit_many(aggregate_type text, aggregate_ids text[],
-                                      event_types text[], payloads jsonb[],
-                                      headers jsonb[] DEFAULT NULL)
-    RETURNS SETOF idem_outbox_event
-    AS 'MODULE_PATHNAME', 'idem_outbox_emit_many' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_claim(batch integer DEFAULT 100, lease interval DEFAULT '30 seconds',
-                                  aggregate_types text[] DEFAULT NULL)
-    RETURNS SETOF idem_outbox_event
-    AS 'MODULE_PATHNAME', 'idem_outbox_claim' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_ack(ids uuid[], lease_token uuid DEFAULT NULL)
-    RETURNS integer
-    AS 'MODULE_PATHNAME', 'idem_outbox_ack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_nack(id uuid, error text, retry_after interval DEFAULT NULL,
-                                 lease_token uuid DEFAULT NULL)
-    RETURNS void
-    AS 'MODULE_PATHNAME', 'idem_outbox_nack' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_extend(lease_token uuid, lease interval)
-    RETURNS integer
-    AS 'MODULE_PATHNAME', 'idem_outbox_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_redrive(ids uuid[])
-    RETURNS integer
-    AS 'MODULE_PATHNAME', 'idem_outbox_redrive' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-CREATE FUNCTION idem_outbox_discard(ids uuid[])
-    RETURNS integer
-    AS 'MODULE_PATHNAME', 'idem_outbox_discard' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-
-COMMENT ON FUNCTION idem_outbox_emit(text, text, text, jsonb, jsonb) IS
-    'write an event in the calling transaction; seq is the next number of its aggregate';
-COMMENT ON FUNCTION idem_outbox_emit_many(text, text[], text[], jsonb[], jsonb[]) IS
-    'emit a batch of events in array order';
-COMMENT ON FUNCTION idem_outbox_claim(integer, interval, text[]) IS
-    'lease aggregates and return their runs of undelivered events, in seq order';
-COMMENT ON FUNCTION idem_outbox_ack(uuid[], uuid) IS
-    'mark events delivered (nothing, for an aggregate whose lease the token no longer holds)';
-COMMENT ON FUNCTION idem_outbox_nack(uuid, text, interval, uuid) IS
-    'record a failed delivery; the aggregate is retried after retry_after or a backoff';
-COMMENT ON FUNCTION idem_outbox_extend(uuid, interval) IS
-    'prolong a live lease; returns how many events it covers';
-COMMENT ON FUNCTION idem_outbox_redrive(uuid[]) IS
-    'put dead-lettered events back in place, order intact';
-COMMENT ON FUNCTION idem_outbox_discard(uuid[]) IS
-    'drop dead-lettered events for good';
-
--- True if a partition holds an undelivered or dead-lettered event, so
--- maintenance must keep it (NULL for a table that is no outbox partition).
--- Runs as the extension's owner, so that idempotency.partitions reads for
--- a monitoring role granted only the view; it reads only a partition that
--- is ours (idempotency.relation_distrust()).  May scan the partition:
--- maintenance and the view ask it only of partitions past their retention.
-CREATE FUNCTION idempotency.outbox_partition_pinned(part regclass)
-    RETURNS boolean
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
-    SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    pinned boolean;
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM idempotency.outbox_partitions p WHERE p.relid = part) THEN
-        RETURN NULL;            -- not one of ours: nothing to say
-    END IF;
-    -- nor if it is not as we made it: planning over it could run its owner's code
-    IF idempotency.relation_distrust(part, 'idempotency.outbox_events') IS NOT NULL THEN
-        RETURN NULL;
-    END IF;
-    EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
-        '                 ON e.aggregate_type = x.aggregate_type'
-        '                AND e.aggregate_id = x.aggregate_id AND e.seq = x.seq)'
-        '    OR EXISTS (SELECT 1 FROM %1$s e'
-        '               LEFT JOIN idempotency.outbox_deliveries d'
-        '                 ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id'
-        '               WHERE e.seq > coalesce(d.acked_seq, 0))', part)
-        INTO pinned;
-    RETURN pinned;
-END
-$$;
-COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
-    'true if an outbox partition holds an undelivered or dead-lettered event (NULL: not a partition as the extension makes them)';
--- Which partitions hold pending work is the monitoring's business.
-REVOKE ALL ON FUNCTION idempotency.outbox_partition_pinned(regclass) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION idempotency.outbox_partition_pinned(regclass) TO pg_monitor;

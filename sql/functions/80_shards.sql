@@ -1,49 +1,34 @@
 -- Scale-out with PL/Proxy: the shard ownership guard and the generator of
--- router-side DDL.  See src/shards.c and README "Scale-out".
+-- router-side DDL.  See src/shards/shards.c and README "Scale-out".
 
--- At most one row: this database owns hash partitions owned of partitions
--- (PL/Proxy's partition = hashtext(routing key) & (partitions - 1)).  No
--- row: not sharded, every routed call passes.  A configuration table, so a
--- database moved by pg_dump keeps its ownership with its claims.
-CREATE TABLE idempotency.shard_ownership (
-    singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    partitions    integer NOT NULL
-                  CHECK (partitions BETWEEN 1 AND 65536 AND partitions & (partitions - 1) = 0),
-    owned         integer[] NOT NULL
-                  CHECK (array_position(owned, NULL) IS NULL
-                         AND 0 <= ALL (owned) AND partitions > ALL (owned)),
-    frozen        boolean NOT NULL DEFAULT false,  -- refuse routed calls (a move in progress)
-    configured_at timestamptz NOT NULL DEFAULT now()
-);
-SELECT pg_catalog.pg_extension_config_dump('idempotency.shard_ownership', '');
 GRANT SELECT ON idempotency.shard_ownership TO PUBLIC;
 COMMENT ON TABLE idempotency.shard_ownership IS
     'which PL/Proxy hash partitions this database owns (set with idem_shard_configure())';
 
 -- Every backend caches the row; any change tells them all to read it again.
 -- ENABLE ALWAYS: a change made with session_replication_role = replica too.
-CREATE FUNCTION idempotency.shard_changed() RETURNS trigger
+CREATE OR REPLACE FUNCTION idempotency.shard_changed() RETURNS trigger
     AS 'MODULE_PATHNAME', 'idem_shard_changed' LANGUAGE C;
 REVOKE ALL ON FUNCTION idempotency.shard_changed() FROM PUBLIC;
-CREATE TRIGGER shard_changed
+CREATE OR REPLACE TRIGGER shard_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.shard_ownership
     FOR EACH STATEMENT EXECUTE FUNCTION idempotency.shard_changed();
 ALTER TABLE idempotency.shard_ownership ENABLE ALWAYS TRIGGER shard_changed;
 
-CREATE FUNCTION idem_shard_configure(partitions integer, owned integer[], frozen boolean DEFAULT false)
+CREATE OR REPLACE FUNCTION idem_shard_configure(partitions integer, owned integer[], frozen boolean DEFAULT false)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_shard_configure' LANGUAGE C VOLATILE;
 
-CREATE FUNCTION idem_shard_partition(routing_key text, partitions integer)
+CREATE OR REPLACE FUNCTION idem_shard_partition(routing_key text, partitions integer)
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_shard_partition' LANGUAGE C IMMUTABLE PARALLEL SAFE;
 
-CREATE FUNCTION idem_shard_assert(routing_key text)
+CREATE OR REPLACE FUNCTION idem_shard_assert(routing_key text)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_shard_assert' LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 
-CREATE FUNCTION idem_claim_routed(routing_key text, key text, scope text DEFAULT 'default',
-                                  payload jsonb DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_claim_routed(routing_key text, key text, scope text DEFAULT 'default',
+                                             payload jsonb DEFAULT NULL)
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_claim_routed' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
@@ -69,7 +54,7 @@ COMMENT ON FUNCTION idem_claim_routed(text, text, text, jsonb) IS
 -- role may have chosen (the names of a handler, of its schema, arguments
 -- and types, a cluster) goes there only as a quoted identifier or literal,
 -- never in a comment, and never with a control character.
-CREATE FUNCTION idempotency.shard_ddl_text(what text, value text) RETURNS text
+CREATE OR REPLACE FUNCTION idempotency.shard_ddl_text(what text, value text) RETURNS text
     LANGUAGE plpgsql IMMUTABLE
     SET search_path = pg_catalog, pg_temp
 AS $fn$
@@ -86,7 +71,7 @@ REVOKE ALL ON FUNCTION idempotency.shard_ddl_text(text, text) FROM PUBLIC;
 
 -- A PL/Proxy body (ending in a newline) quoted with a dollar tag that does
 -- not occur in it: $plproxy$, or $plproxy_1$, ...
-CREATE FUNCTION idempotency.shard_dollar_quoted(body text) RETURNS text
+CREATE OR REPLACE FUNCTION idempotency.shard_dollar_quoted(body text) RETURNS text
     LANGUAGE plpgsql IMMUTABLE STRICT
     SET search_path = pg_catalog, pg_temp
 AS $fn$
@@ -105,25 +90,25 @@ REVOKE ALL ON FUNCTION idempotency.shard_dollar_quoted(text) FROM PUBLIC;
 
 -- The CLUSTER statement of a PL/Proxy body: the name as a standard string
 -- literal, the only form PL/Proxy reads (whatever standard_conforming_strings).
-CREATE FUNCTION idempotency.shard_cluster_statement(cluster text) RETURNS text
+CREATE OR REPLACE FUNCTION idempotency.shard_cluster_statement(cluster text) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT
     SET search_path = pg_catalog, pg_temp
     RETURN E'    CLUSTER ''' || replace(idempotency.shard_ddl_text('cluster', cluster), '''', '''''') || E''';\n';
 REVOKE ALL ON FUNCTION idempotency.shard_cluster_statement(text) FROM PUBLIC;
 
 -- The routing expression, checked on its parse tree as PostgreSQL and
--- PL/Proxy will read it on the router (src/shards.c): the input arguments
+-- PL/Proxy will read it on the router (src/shards/shards.c): the input arguments
 -- it uses (1-based positions in names) and its type.
-CREATE FUNCTION idempotency.shard_routing_check(routing_expr text, names text[], types regtype[],
-                                                OUT args integer[], OUT type regtype)
+CREATE OR REPLACE FUNCTION idempotency.shard_routing_check(routing_expr text, names text[], types regtype[],
+                                                           OUT args integer[], OUT type regtype)
     AS 'MODULE_PATHNAME', 'idem_shard_routing_check' LANGUAGE C STABLE;
 REVOKE ALL ON FUNCTION idempotency.shard_routing_check(text, text[], regtype[]) FROM PUBLIC;
 
 -- The router-side proxy of a shard-side handler.  Owner-only (it writes
 -- DDL that a DBA runs on the router); search_path is pinned, so every name
 -- in its output is schema-qualified unless it is in pg_catalog.
-CREATE FUNCTION idem_shard_router_ddl(handler regprocedure, routing_expr text,
-                                      cluster text DEFAULT 'idem', split text[] DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem_shard_router_ddl(handler regprocedure, routing_expr text,
+                                                 cluster text DEFAULT 'idem', split text[] DEFAULT NULL)
     RETURNS text
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp
@@ -291,7 +276,7 @@ COMMENT ON FUNCTION idem_shard_router_ddl(regprocedure, text, text, text[]) IS
 
 -- Router-side proxies that run everywhere: one row per shard (or per shard
 -- and row), each naming the partitions its shard owns.
-CREATE FUNCTION idem_shard_router_admin_ddl(cluster text DEFAULT 'idem', schema name DEFAULT 'idem_shards')
+CREATE OR REPLACE FUNCTION idem_shard_router_admin_ddl(cluster text DEFAULT 'idem', schema name DEFAULT 'idem_shards')
     RETURNS text
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp

@@ -1,10 +1,8 @@
--- Which relations are ours (src/ownership.c): the SECURITY DEFINER
+-- Which relations are ours (src/common/ownership.c): the SECURITY DEFINER
 -- functions that read a partition by its registry entry ask this first, and
 -- read nothing that is not a plain table of ours.
---
--- New in 1.1: the upgrade script from 1.0 includes this file whole.
 
-CREATE FUNCTION idempotency.relation_distrust(rel regclass, parent regclass)
+CREATE OR REPLACE FUNCTION idempotency.relation_distrust(rel regclass, parent regclass)
     RETURNS text
     AS 'MODULE_PATHNAME', 'idem_relation_distrust_sql' LANGUAGE C STABLE PARALLEL SAFE;
 COMMENT ON FUNCTION idempotency.relation_distrust(regclass, regclass) IS
