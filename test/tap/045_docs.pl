@@ -14,7 +14,10 @@
 #                                         opened holds the fence, and closes
 #                                         with --> on the line after it
 #
-# A block that names no role runs as role app.  README.md starts on a bare
+# A block that names no role runs as role app.  A line "-- as maint" or
+# "-- as a superuser: ..." (the whole line, at the start of a statement)
+# runs the rest of its block as that role, so a block that mixes roles says
+# so where a reader sees it.  README.md starts on a bare
 # database (its quick start creates the extension and the role app); each
 # doc/*.md starts on a database with the extension created and a login role
 # app with no rights of its own.  A block runs on the session of the block
@@ -36,6 +39,8 @@ use IdemTest;
 
 my $root = dirname(__FILE__) . '/../..';
 my @files = ("$root/README.md", sort glob("$root/doc/*.md"));
+# IDEM_DOCS_ONLY=REGEX: only the files whose name matches (while editing)
+@files = grep { /$ENV{IDEM_DOCS_ONLY}/ } @files if $ENV{IDEM_DOCS_ONLY};
 
 my %known = map { $_ => 1 } qw(role expect-error skip setup);
 
@@ -130,19 +135,27 @@ max_prepared_transactions = 10
 			next;
 		}
 		$nrun++;
-		my $want = $b->{role} eq 'superuser' ? $super : $b->{role};
-		if ($want ne $role)
-		{
+		my $connect = sub {
+			my ($r, $line) = @_;
+			my $want = $r eq 'superuser' ? $super : $r;
+			return if $want eq $role;
 			push @script, "\\connect - $want";
-			$where{ scalar @script } = [ $bi, $b->{line} ];
+			$where{ scalar @script } = [ $bi, $line ];
 			$role = $want;
-		}
+		};
+		$connect->($b->{role}, $b->{line});
 		my $depth = 0;    # inside $$ ... $$
 		my $start = 1;    # the line starts a statement
 		for my $li (0 .. $#{ $b->{sql} })
 		{
 			my $l = $b->{sql}[$li];
 			my $check;
+			# "-- as maint", "-- as a superuser: ...": the rest of the block
+			# runs as that role
+			if ($start && !$depth && $l =~ /^--\s+as\s+(a superuser|(?!(?:the|an?)\b)[a-z_]\w*)\s*(?:[:,(].*)?$/)
+			{
+				$connect->($1 eq 'a superuser' ? 'superuser' : $1, $b->{line} + $li);
+			}
 			if ($start && !$depth && $l =~ /^\s*[^-\s].*;\s*--\s*(true|false)\b/)
 			{
 				$check = $1 eq 'true' ? 't' : 'f';
@@ -157,6 +170,8 @@ max_prepared_transactions = 10
 			$start = 1 if !$depth && $code =~ /;\s*$/;
 			$start = 0 if !$depth && $code =~ /\S/ && $code !~ /;\s*$/;
 		}
+		# the block was reached (psql stops at a failed \connect)
+		push @script, "\\echo '\@\@ran $bi'";
 	}
 	my ($stdout, $stderr);
 	# kept beside the logs, to read when a block fails
@@ -196,6 +211,8 @@ max_prepared_transactions = 10
 		my $b = $blocks[$bi];
 		next if defined $b->{skip};
 		my @e = @{ $errors{$bi} // [] };
+		push @e, [ 'unrun', "$name:$b->{line}: not reached: psql stopped before it" ]
+		  unless $stdout =~ /^\@\@ran $bi$/m;
 		my $what = "$name:$b->{line} as $b->{role}" . ($b->{setup} ? ' (set-up)' : '');
 		if (defined $b->{expect})
 		{
