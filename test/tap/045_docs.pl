@@ -12,7 +12,9 @@
 #   <!-- doc-test: skip: reason -->       not run (reason required)
 #   <!-- doc-test: setup role=... (no -->: a hidden block: the comment
 #                                         opened holds the fence, and closes
-#                                         with --> on the line after it
+#                                         with --> on the line after it;
+#                                         "check" instead of "setup" for a
+#                                         hidden block that tests the text
 #
 # A block that names no role runs as role app.  A line "-- as maint" or
 # "-- as a superuser: ..." (the whole line, at the start of a statement)
@@ -42,7 +44,7 @@ my @files = ("$root/README.md", sort glob("$root/doc/*.md"));
 # IDEM_DOCS_ONLY=REGEX: only the files whose name matches (while editing)
 @files = grep { /$ENV{IDEM_DOCS_ONLY}/ } @files if $ENV{IDEM_DOCS_ONLY};
 
-my %known = map { $_ => 1 } qw(role expect-error skip setup);
+my %known = map { $_ => 1 } qw(role expect-error skip setup check);
 
 # the blocks of a markdown file: a list of hashes (line: of the first SQL
 # line, sql: the lines, role, expect, skip, hidden)
@@ -75,11 +77,11 @@ sub blocks
 				die "$name:$i: unknown doc-test option '$k'\n" unless $known{$k};
 				$b{role} = $v if $k eq 'role';
 				$b{expect} = $v if $k eq 'expect-error';
-				$b{setup} = 1 if $k eq 'setup';
+				$b{setup} = $k if $k eq 'setup' || $k eq 'check';
 			}
 			die "$name:$i: expect-error needs a SQLSTATE\n"
 			  if exists $b{expect} && ($b{expect} // '') !~ /^[0-9A-Z]{5}$/;
-			die "$name:$i: a hidden block (the comment holds the fence) must say setup\n"
+			die "$name:$i: a hidden block (the comment holds the fence) must say setup or check\n"
 			  if $b{hidden} && !$b{setup};
 		}
 		my $j = $i + 1;
@@ -213,7 +215,7 @@ max_prepared_transactions = 10
 		my @e = @{ $errors{$bi} // [] };
 		push @e, [ 'unrun', "$name:$b->{line}: not reached: psql stopped before it" ]
 		  unless $stdout =~ /^\@\@ran $bi$/m;
-		my $what = "$name:$b->{line} as $b->{role}" . ($b->{setup} ? ' (set-up)' : '');
+		my $what = "$name:$b->{line} as $b->{role}" . ($b->{setup} ? " (hidden $b->{setup})" : '');
 		if (defined $b->{expect})
 		{
 			my @other = grep { $_->[0] ne $b->{expect} && $_->[0] ne '25P02' } @e;
