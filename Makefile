@@ -62,14 +62,16 @@ ifneq ($(wildcard sql/versions/idempotency--$(EXTVERSION).sql),)
 $(error sql/versions/idempotency--$(EXTVERSION).sql exists, but version $(EXTVERSION) is built from sql/ext: bump default_version in $(EXTENSION).control)
 endif
 
-# regression tests: sql/<name>.sql with expected/<name>.out (the install and
-# upgrade scripts live in subdirectories of sql/, so they are not among them)
-REGRESS = $(basename $(notdir $(sort $(wildcard sql/*.sql))))
+# regression tests: test/regress/sql/<name>.sql with
+# test/regress/expected/<name>.out
+REGRESS = $(basename $(notdir $(sort $(wildcard test/regress/sql/*.sql))))
+REGRESS_OPTS = --inputdir=test/regress --outputdir=test/regress
 ISOLATION = $(basename $(notdir $(sort $(wildcard test/isolation/specs/*.spec))))
 ISOLATION_OPTS = --inputdir=test/isolation --outputdir=test/isolation/output_iso
 
 # every test output, wherever a test run leaves it
-EXTRA_CLEAN = results/ regression.diffs regression.out log/ tmp_check/ \
+EXTRA_CLEAN = test/regress/results/ test/regress/regression.diffs \
+	test/regress/regression.out test/regress/log/ test/regress/tmp_check/ \
 	test/isolation/output_iso/ test/isolation/results/ test/isolation/log/ \
 	test/isolation/tmp_check/ test/tap/tmp_check/ test/tap/log/
 

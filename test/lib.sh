@@ -1,4 +1,4 @@
-# test/lib.sh: shared bash functions for test/run-tests, test/run-demo and
+# test/lib.sh: shared bash functions for test/run-tests, examples/demo/run and
 # test/bench/run.  Source it; do not run it.
 #
 #   idem_init                   globals, traps (cleanup on exit, ^C, TERM)
@@ -30,7 +30,7 @@
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
                postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
                postgresql-15-plproxy)
-# what test/run-demo uses: the server, the build, pg_cron (preloaded)
+# what examples/demo/run uses: the server, the build, pg_cron (preloaded)
 IDEM_DEMO_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron)
 
 idem_log()  { printf '==> %s\n' "$*"; }
