@@ -2,7 +2,11 @@
 # test/bench/run.  Source it; do not run it.
 #
 #   idem_init                   globals, traps (cleanup on exit, ^C, TERM)
-#   idem_ensure_packages        install missing Debian packages (root) or say how
+#   idem_ensure_packages [PKG...]
+#                               install missing Debian packages (root) or say how;
+#                               default: IDEM_PACKAGES (the demo: IDEM_DEMO_PACKAGES)
+#   idem_apt_install PKG...     apt-get install that starts no service and
+#                               leaves none enabled, and creates no cluster
 #   idem_build_install          copy the tree to a temp dir, make, make install
 #   idem_cluster_start DB [conf lines...]
 #                               throwaway cluster with database DB, as $IDEM_PG_USER
@@ -26,6 +30,8 @@
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
                postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
                postgresql-15-plproxy)
+# what examples/demo/run uses: the server, the build, pg_cron (preloaded)
+IDEM_DEMO_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron)
 
 idem_log()  { printf '==> %s\n' "$*"; }
 idem_warn() { printf 'WARNING: %s\n' "$*" >&2; }
@@ -101,21 +107,84 @@ idem_as_pg() {
     fi
 }
 
-# idem_ensure_packages: the Debian packages the build, the tests and the demo
-# need.  As root, installs what is missing (one apt-get update first);
-# otherwise prints the command to run and exits 1.
+# idem_apt_install PKG...: apt-get install PKG... (as root, after apt-get
+# update) so that the machine is left as it was but for the packages:
+#  - no service starts: a /usr/sbin/policy-rc.d that exits 101 (Debian's
+#    "action forbidden" for invoke-rc.d) during the install, removed after
+#    it (one already there is left alone);
+#  - none stays enabled: the systemd units and init scripts of the packages
+#    it installed are disabled (deb-systemd-helper and update-rc.d work
+#    without a running systemd, as in containers);
+#  - no cluster: if postgresql-15 is installed, create_main_cluster = false
+#    in /etc/postgresql-common/createcluster.conf while its postinst runs
+#    (postgresql-common, which ships that file, is installed first), then
+#    the file is put back byte for byte.
+# (IDEM_APT_ROOT, for trying this out: a directory that stands for / for
+# those two files.)
+idem_apt_install() {
+    local pkgs=("$@") rc=0 root=${IDEM_APT_ROOT:-} made_policy='' p unit
+    local policy=$root/usr/sbin/policy-rc.d cc=$root/etc/postgresql-common/createcluster.conf cc_saved='' before
+    export DEBIAN_FRONTEND=noninteractive
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\n# test/lib.sh: no service starts during its apt-get install\nexit 101\n' >"$policy"
+        chmod 755 "$policy"
+        made_policy=1
+    fi
+    before=$(dpkg-query -W -f='${Package} ${Status}\n' 2>/dev/null | awk '$4 == "installed" { print $1 }')
+    if printf '%s\n' "${pkgs[@]}" | grep -qx 'postgresql-[0-9]*'; then
+        if [[ ! -e $cc ]]; then
+            apt-get install -y -q --no-install-recommends postgresql-common || rc=$?
+        fi
+        if [[ $rc -eq 0 && -e $cc ]]; then
+            cc_saved=$(mktemp)
+            cp -p "$cc" "$cc_saved"
+            sed -i -E 's/^#?[[:space:]]*create_main_cluster[[:space:]]*=.*/create_main_cluster = false/' "$cc"
+            grep -q '^create_main_cluster = false' "$cc" || echo 'create_main_cluster = false' >>"$cc"
+        fi
+    fi
+    [[ $rc -eq 0 ]] && { apt-get install -y -q --no-install-recommends "${pkgs[@]}" || rc=$?; }
+    if [[ -n $cc_saved ]]; then
+        cp -p "$cc_saved" "$cc"
+        rm -f "$cc_saved"
+    fi
+    # disable what the new packages would start at boot
+    for p in $(dpkg-query -W -f='${Package} ${Status}\n' 2>/dev/null | awk '$4 == "installed" { print $1 }' \
+               | grep -vxF -f <(printf '%s\n' "$before")); do
+        while IFS= read -r unit; do
+            case $unit in
+                */systemd/system/*.service|*/systemd/system/*.socket|*/systemd/system/*.timer)
+                    [[ $unit == *@.* ]] && continue
+                    command -v deb-systemd-helper >/dev/null 2>&1 \
+                        && deb-systemd-helper disable "$(basename "$unit")" >/dev/null 2>&1
+                    command -v systemctl >/dev/null 2>&1 && [[ -d /run/systemd/system ]] \
+                        && systemctl disable --now "$(basename "$unit")" >/dev/null 2>&1 ;;
+                /etc/init.d/*)
+                    command -v update-rc.d >/dev/null 2>&1 \
+                        && update-rc.d "$(basename "$unit")" disable >/dev/null 2>&1 ;;
+            esac
+        done < <(dpkg -L "$p" 2>/dev/null)
+    done
+    [[ -n $made_policy ]] && rm -f "$policy"
+    return "$rc"
+}
+
+# idem_ensure_packages [PKG...]: the Debian packages the build, the tests and
+# the demo need (default: IDEM_PACKAGES).  As root, installs what is missing
+# (one apt-get update first, then idem_apt_install); otherwise prints the
+# command to run and exits 1.
 idem_ensure_packages() {
     if [[ -n ${IDEM_NO_PACKAGES:-} ]]; then
         idem_pg_paths
         return 0
     fi
-    local missing=() p
+    local want=("$@") missing=() p
+    [[ ${#want[@]} -gt 0 ]] || want=("${IDEM_PACKAGES[@]}")
     if ! command -v dpkg-query >/dev/null 2>&1; then
         idem_warn "dpkg-query not found: not a Debian system? Skipping the package check."
         idem_pg_paths
         return 0
     fi
-    for p in "${IDEM_PACKAGES[@]}"; do
+    for p in "${want[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' \
             || missing+=("$p")
     done
@@ -132,8 +201,7 @@ idem_ensure_packages() {
         idem_log "installing missing packages: ${missing[*]}"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -q || idem_die "apt-get update failed"
-        apt-get install -y -q --no-install-recommends "${missing[@]}" \
-            || idem_die "apt-get install ${missing[*]} failed"
+        idem_apt_install "${missing[@]}" || idem_die "apt-get install ${missing[*]} failed"
     fi
     command -v runuser >/dev/null 2>&1 || [[ $EUID -ne 0 ]] \
         || idem_die "runuser (util-linux) is needed to run PostgreSQL as $IDEM_PG_USER"
