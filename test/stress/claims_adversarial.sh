@@ -87,21 +87,7 @@ SCOPE=adv
 
 RANDOM=$SEED
 started=${EPOCHREALTIME/,/.}
-tmp=$(mktemp -d)
-bg_pids=()
-cleanup() {
-    local p
-    for p in "${bg_pids[@]}"; do
-        kill "$p" 2>/dev/null || true
-    done
-    for p in "${bg_pids[@]}"; do
-        wait "$p" 2>/dev/null || true
-    done
-    rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
+. "$(dirname "$0")/common.bash"
 now_epoch() { echo "${EPOCHREALTIME/,/.}"; }
 # rand LO HI: a random integer in [LO, HI]
 rand() { echo $(( $1 + RANDOM % ($2 - $1 + 1) )); }
@@ -263,7 +249,7 @@ SQL
 # keys are 'k' || 7 digits, so numeric order is byte order: a transaction
 # claiming two keys with separate calls takes them in byte order, as
 # idem_claim_many does, so handlers cannot deadlock among themselves
-cat >"$tmp/single.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set h random(1, 100)
 \if :h <= 30
 \set k random(1, :hot)
@@ -273,15 +259,11 @@ cat >"$tmp/single.sql" <<'PGBENCH'
 \set r random(1, 100)
 BEGIN;
 SELECT adv_claim(:k, 'single');
-\if :r <= :rb_pct
-SELECT nextval('adv_n_rollbacks');
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rb_pct "SELECT nextval('adv_n_rollbacks');"
+} >"$tmp/single.sql"
 
-cat >"$tmp/savepoint.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set a random(1, :hot)
 \set h random(1, 100)
 \if :h <= 50
@@ -310,28 +292,20 @@ SELECT adv_claim(:k2, 'sp-reclaim');
 \else
 RELEASE SAVEPOINT s1;
 \endif
-\if :r <= :rb_pct
-SELECT nextval('adv_n_rollbacks');
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rb_pct "SELECT nextval('adv_n_rollbacks');"
+} >"$tmp/savepoint.sql"
 
-cat >"$tmp/batch.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set n random(2, 10)
 \set r random(1, 100)
 BEGIN;
 SELECT adv_claim_many(:n, :hot, :nkeys);
-\if :r <= :rb_pct
-SELECT nextval('adv_n_rollbacks');
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rb_pct "SELECT nextval('adv_n_rollbacks');"
+} >"$tmp/batch.sql"
 
-cat >"$tmp/release.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set k random(1, :hot)
 \set re random(1, 100)
 \set r random(1, 100)
@@ -340,13 +314,9 @@ SELECT adv_release(:k);
 \if :re <= 50
 SELECT adv_claim(:k, 'reprocess');
 \endif
-\if :r <= :rb_pct
-SELECT nextval('adv_n_rollbacks');
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rb_pct "SELECT nextval('adv_n_rollbacks');"
+} >"$tmp/release.sql"
 
 # ------------------------------------------------------ background loops
 # maintenance with random lag; the log has "round EPOCH" and "EPOCH|action|object"
@@ -526,8 +496,6 @@ SQL
 parts_after=$(sql -c "SELECT coalesce(string_agg(state || ' ' || n, ', '), 'none')
                       FROM (SELECT state, count(*) AS n FROM idempotency.partitions GROUP BY state ORDER BY state) s")
 
-failed=0
-fail() { echo "FAIL: $*"; failed=1; }
 
 if [[ $rc -ne 0 ]]; then
     grep -vE '^(transaction type|scaling factor|query mode|number of clients|number of threads|duration|latency|initial connection|tps|maximum number of tries|SQL script|  -)' \

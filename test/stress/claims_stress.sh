@@ -29,17 +29,9 @@ CLIENTS=${IDEM_STRESS_CLIENTS:-6}
 NKEYS=${IDEM_STRESS_KEYS:-20000}
 ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
 
-tmp=$(mktemp -d)
+. "$(dirname "$0")/common.bash"
 maint_pid=''
 slow_pids=()
-cleanup() {
-    [[ -n $maint_pid ]] && kill "$maint_pid" 2>/dev/null && wait "$maint_pid" 2>/dev/null
-    for p in "${slow_pids[@]}"; do kill "$p" 2>/dev/null; done
-    rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-sql() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
 
 sql >/dev/null <<'SQL'
 SET client_min_messages = warning;
@@ -52,7 +44,7 @@ SQL
 # one transaction: claim a key (30 % of draws from a hot range of 500 keys),
 # apply the effect if the claim is true, record the attempt, and commit or
 # (ROLLBACK_PCT % of the time) roll back
-cat >"$tmp/claim.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set hot random(1, 100)
 \if :hot <= 30
 \set k random(1, 500)
@@ -66,12 +58,9 @@ SELECT idem_claim(:k::text, 'stress')::int AS claimed \gset
 INSERT INTO stress_effects (key) VALUES (:k::text);
 \endif
 INSERT INTO stress_attempts (key, claimed) VALUES (:k::text, :claimed::int::boolean);
-\if :r <= :rollback_pct
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rollback_pct
+} >"$tmp/claim.sql"
 
 # maintenance running alongside the claims, its actions logged; any error
 # fails the test
@@ -83,6 +72,7 @@ PGBENCH
     done
 ) &
 maint_pid=$!
+bg_pids+=("$maint_pid")
 
 # claim_step KEY_SQL: psql lines that claim the key KEY_SQL evaluates to,
 # apply the effect if the claim is true, and record the attempt
@@ -109,6 +99,7 @@ follow_key="'slow-' || (extract(epoch FROM date_trunc('second', clock_timestamp(
     done
 ) &
 slow_pids+=($!)
+bg_pids+=($!)
 (
     end=$((SECONDS + SECONDS_RUN))
     while ((SECONDS < end)); do
@@ -118,6 +109,7 @@ slow_pids+=($!)
     done
 ) &
 slow_pids+=($!)
+bg_pids+=($!)
 
 echo "pgbench: $CLIENTS clients, ${SECONDS_RUN}s, keys 1..$NKEYS (30 % from 1..500), $ROLLBACK_PCT % rollbacks, 1-second partitions"
 rc=0
@@ -129,8 +121,6 @@ slow_pids=()
 kill "$maint_pid" 2>/dev/null; wait "$maint_pid" 2>/dev/null || true
 maint_pid=''
 
-failed=0
-fail() { echo "FAIL: $*"; failed=1; }
 
 if [[ $rc -ne 0 ]]; then
     tail -n 20 "$tmp/pgbench.out"

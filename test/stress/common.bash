@@ -7,6 +7,9 @@
 #   maintain_alongside
 #                 run idem_maintain() every half second in the background
 #                 (errors go to $tmp/maintain.err, which the caller checks)
+#   pgbench_end PCT_VAR [SQL]
+#                 the end of a pgbench transaction script: when :r <= :PCT_VAR,
+#                 run SQL (if given) and ROLLBACK, else COMMIT
 #   expect_zero WHAT SQL [DETAIL_SQL]
 #                 the query's single number must be 0; if not, also print
 #                 up to 10 rows of DETAIL_SQL
@@ -33,6 +36,12 @@ expect_zero() {
     else
         echo "ok: 0 $1"
     fi
+}
+
+pgbench_end() {
+    printf '\\if :r <= :%s\n' "$1"
+    [[ -n ${2:-} ]] && printf '%s\n' "$2"
+    printf 'ROLLBACK;\n\\else\nCOMMIT;\n\\endif\n'
 }
 
 maintain_alongside() {

@@ -97,7 +97,7 @@ CREATE UNLOGGED TABLE worker_batch (worker int NOT NULL, ord bigint NOT NULL, id
                                     message_id text NOT NULL, payload jsonb NOT NULL, lease_token uuid NOT NULL);
 SQL
 
-cat >"$tmp/receive.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set m random(1, :nmsg)
 \set r random(1, 100)
 BEGIN;
@@ -106,12 +106,9 @@ SELECT :m::text, idem_inbox_receive('src', :m::text, jsonb_build_object('m', :m:
                                     CASE WHEN :m::int % 10 < 7
                                          THEN jsonb_build_object('ordering_key', 'k' || (:m::int % :nkeys))
                                          ELSE jsonb_build_object('plain', true) END);
-\if :r <= :rollback_pct
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rollback_pct
+} >"$tmp/receive.sql"
 
 # a worker round: claim (autocommit), then fail the batch or process it
 cat >"$tmp/worker.sql" <<'PGBENCH'

@@ -143,7 +143,7 @@ SQL
 # an emitting transaction: one emit, two emits to the same aggregate, or
 # emit_many over 4 aggregates in random order (repeats allowed); type 'cart'
 # a quarter of the time; ROLLBACK_PCT % roll back
-cat >"$tmp/emit.sql" <<'PGBENCH'
+{ cat <<'PGBENCH'
 \set a random_zipfian(1, :naggs, 1.1)
 \set b random_zipfian(1, :naggs, 1.1)
 \set c random_zipfian(1, :naggs, 1.1)
@@ -172,12 +172,9 @@ INSERT INTO stress_emitted SELECT txid_current(), e.ordinality, e.id, e.aggregat
                                    jsonb_build_object('p', 3), jsonb_build_object('p', 4)])
        WITH ORDINALITY e;
 \endif
-\if :r <= :rollback_pct
-ROLLBACK;
-\else
-COMMIT;
-\endif
 PGBENCH
+pgbench_end rollback_pct
+} >"$tmp/emit.sql"
 
 # a two-phase emitting transaction (pgbench -M simple: the gid is literal
 # text); a prepared transaction sends no NOTIFY, its events wait for the
