@@ -37,7 +37,7 @@ OBJS = $(patsubst %.c,%.o,$(sort $(wildcard src/*.c src/*/*.c)))
 # sql/versions/ (changes to objects of the earlier release), followed by the
 # sql/ext/ fragments that are wholly new in this version, so that no CREATE
 # statement is written twice.
-NEW_IN_VERSION = sql/ext/05_ownership.sql sql/ext/40_outbox.sql sql/ext/50_requests.sql sql/ext/55_inbox.sql sql/ext/60_partitions.sql sql/ext/65_stats.sql \
+NEW_IN_VERSION = sql/ext/05_ownership.sql sql/ext/07_capabilities.sql sql/ext/40_outbox.sql sql/ext/50_requests.sql sql/ext/55_inbox.sql sql/ext/60_partitions.sql sql/ext/65_stats.sql \
                  sql/ext/70_replay.sql sql/ext/80_shards.sql
 # ... and then, like the install script, a first maintenance round (the new
 # stores get their first partitions at once)
