@@ -41,6 +41,45 @@ CREATE FUNCTION idem_revoke(role regrole, capability text DEFAULT NULL)
 REVOKE ALL ON FUNCTION idem_grant(regrole, text, text[], text[], text[]),
                        idem_revoke(regrole, text) FROM PUBLIC;
 
+-- The monitor capability is view access: idem_grant(r, 'monitor') gives r
+-- the privileges pg_monitor holds on the extension's objects (the views and
+-- the functions behind them, granted at the end of 65_stats.sql: the one
+-- list) and USAGE on schema idempotency; idem_revoke() takes them back.
+-- Internal: run by idem_grant()/idem_revoke() as the extension's owner,
+-- with a role name that regrole output quotes.
+CREATE FUNCTION idempotency.monitor_privileges(target regrole, give boolean)
+    RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS
+$$
+DECLARE
+    o record;
+BEGIN
+    FOR o IN
+        SELECT d.classid, d.objid, a.privilege_type
+        FROM pg_catalog.pg_depend d
+        JOIN pg_catalog.pg_extension e ON e.oid = d.refobjid AND e.extname = 'idempotency'
+        LEFT JOIN pg_catalog.pg_class c
+               ON d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND c.oid = d.objid
+        LEFT JOIN pg_catalog.pg_proc p
+               ON d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND p.oid = d.objid,
+        LATERAL pg_catalog.aclexplode(coalesce(c.relacl, p.proacl)) a
+        WHERE d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
+          AND a.grantee = 'pg_monitor'::pg_catalog.regrole
+        ORDER BY 1, 2, 3
+    LOOP
+        IF o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass THEN
+            EXECUTE pg_catalog.format(CASE WHEN give THEN 'GRANT %s ON %s TO %s' ELSE 'REVOKE %s ON %s FROM %s' END,
+                                      o.privilege_type, o.objid::pg_catalog.regclass, target);
+        ELSE
+            EXECUTE pg_catalog.format(CASE WHEN give THEN 'GRANT %s ON FUNCTION %s TO %s' ELSE 'REVOKE %s ON FUNCTION %s FROM %s' END,
+                                      o.privilege_type, o.objid::pg_catalog.regprocedure, target);
+        END IF;
+    END LOOP;
+    EXECUTE pg_catalog.format(CASE WHEN give THEN 'GRANT USAGE ON SCHEMA idempotency TO %s'
+                                   ELSE 'REVOKE USAGE ON SCHEMA idempotency FROM %s' END, target);
+END
+$$;
+REVOKE ALL ON FUNCTION idempotency.monitor_privileges(regrole, boolean) FROM PUBLIC;
+
 -- Who holds what, for owners and pg_monitor; rows of dropped roles left out.
 CREATE VIEW idempotency.capability_grants AS
 SELECT c.role::pg_catalog.text AS role, c.capability, c.scopes, c.aggregate_types, c.sources

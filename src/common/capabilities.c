@@ -563,6 +563,17 @@ static const char *const forget_dropped_sql =
 "DELETE FROM idempotency.capabilities c WHERE NOT EXISTS"
 " (SELECT FROM pg_catalog.pg_authid a WHERE a.oid OPERATOR(pg_catalog.=) c.role::pg_catalog.oid)";
 
+/* Give or take the view access of the monitor capability (07_capabilities.sql). */
+static void
+monitor_privileges(Oid role, bool give)
+{
+	Oid			types[2] = {OIDOID, BOOLOID};
+	Datum		values[2] = {ObjectIdGetDatum(role), BoolGetDatum(give)};
+
+	idem_spi_exec("SELECT idempotency.monitor_privileges($1::pg_catalog.regrole, $2)",
+				  2, types, values, SPI_OK_SELECT);
+}
+
 /*
  * idem_grant(role regrole, capability text, scopes text[] = NULL,
  *            aggregate_types text[] = NULL, sources text[] = NULL)
@@ -585,6 +596,11 @@ idem_grant(PG_FUNCTION_ARGS)
 		else
 			values[2 + a] = PG_GETARG_DATUM(2 + a);
 	}
+	if (strcmp(cap, "monitor") == 0 && (!PG_ARGISNULL(2) || !PG_ARGISNULL(3) || !PG_ARGISNULL(4)))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("capability \"monitor\" cannot be limited"),
+				 errdetail("It gives access to the monitoring views, which show every scope, aggregate type and source.")));
 	require_owner("idem_grant");
 	PreventCommandIfReadOnly("idem_grant()");
 	values[0] = ObjectIdGetDatum(role);
@@ -601,6 +617,8 @@ idem_grant(PG_FUNCTION_ARGS)
 							  " sources = excluded.sources",
 							  5, types, values, nulls, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not store the capability");
+	if (strcmp(cap, "monitor") == 0)
+		monitor_privileges(role, true);
 	SPI_finish();
 	idem_unbecome_owner(&as);
 	PG_RETURN_VOID();
@@ -634,6 +652,8 @@ idem_revoke(PG_FUNCTION_ARGS)
 							  2, types, values, nulls, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "could not remove the capability");
 	n = SPI_processed;
+	if (PG_ARGISNULL(1) || strcmp(TextDatumGetCString(values[1]), "monitor") == 0)
+		monitor_privileges(role, false);
 	SPI_finish();
 	idem_unbecome_owner(&as);
 	PG_RETURN_INT32((int32) n);
