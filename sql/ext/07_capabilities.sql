@@ -125,6 +125,10 @@ BEGIN
                                  CASE WHEN r.del THEN 'operator' END,
                                  CASE WHEN NOT (r.ins OR r.del) THEN 'none' END);
     END LOOP;
+    -- the ACL a fresh install gives the table (10_claims.sql)
+    IF pg_catalog.to_regclass('idempotency.claims') IS NOT NULL THEN
+        REVOKE ALL ON idempotency.claims FROM PUBLIC;
+    END IF;
 END
 $caps$;
 

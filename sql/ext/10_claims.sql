@@ -3,8 +3,8 @@
 -- idempotency.claims is the inheritance parent of the time partitions and the
 -- place to query claims with SQL.  idem_claim() writes straight into the
 -- partitions (never into the parent) under its own cross-partition value
--- lock; see src/claims.c.  Privileges on idempotency.claims decide who may
--- claim (INSERT), look up (SELECT) and release (DELETE).
+-- lock; see src/claims/claims.c.  Capabilities decide who may claim and look
+-- up (handler) and release (operator): src/common/capabilities.c.
 
 CREATE TABLE idempotency.claims (
     scope       text COLLATE "C" NOT NULL,
@@ -15,6 +15,9 @@ CREATE TABLE idempotency.claims (
 );
 COMMENT ON TABLE idempotency.claims IS
     'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';
+-- nobody but the owner has a right on it: roles claim with capabilities
+-- (07_capabilities.sql, which revokes 1.0's grants on update)
+REVOKE ALL ON idempotency.claims FROM PUBLIC;
 
 CREATE FUNCTION idempotency.claims_read_only() RETURNS trigger
     LANGUAGE plpgsql AS
