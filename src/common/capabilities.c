@@ -59,6 +59,7 @@
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
@@ -106,6 +107,7 @@ static CapRow *caps_rows = NULL;
 static int	caps_nrows = 0;
 
 static bool user_valid = false;
+static bool legacy = false;		/* the last check found 1.0's objects */
 static Oid	user_id = InvalidOid;
 static IdemCapGrants user_grants[IDEM_NUM_CAPS];
 
@@ -258,11 +260,40 @@ build_user(void)
 	user_valid = true;
 }
 
+/*
+ * Version 1.0's functions running on this library, before ALTER EXTENSION
+ * UPDATE made the table: 1.0's rules, the caller's privileges on
+ * idempotency.claims (INSERT to claim, DELETE to release); maintenance was
+ * PUBLIC's.  Not cached: the update may come any moment.
+ */
+static const IdemCapGrants *
+legacy_grants(IdemCapability cap, Oid claims)
+{
+	static IdemCapGrants g;
+	AclMode		mode = cap == IDEM_CAP_OPERATOR ? ACL_DELETE : ACL_INSERT;
+
+	g.nrows = 0;
+	g.all = superuser() || pg_class_aclcheck(claims, GetUserId(), mode) == ACLCHECK_OK;
+	return &g;
+}
+
 static const IdemCapGrants *
 grants_of(IdemCapability cap)
 {
+	legacy = false;
 	if (!user_valid || !rows_valid || user_id != GetUserId())
+	{
+		Oid			claims;
+
+		if (!rows_valid &&
+			!OidIsValid(get_relname_relid("capabilities", idem_schema_oid())) &&
+			OidIsValid(claims = get_relname_relid("claims", idem_schema_oid())))
+		{
+			legacy = true;
+			return legacy_grants(cap, claims);
+		}
 		build_user();
+	}
 	return &user_grants[cap];
 }
 
@@ -435,8 +466,11 @@ idem_capability_require(const char *fname, IdemCapability cap, IdemCapAxis axis,
 void
 idem_capability_require_unlimited(const char *fname, IdemCapability cap)
 {
-	if (!grants_of(cap)->all)
-		refuse(fname, cap, -1, NULL);
+	const IdemCapGrants *g = grants_of(cap);
+
+	if (g->all || legacy)
+		return;					/* all, or 1.0's maintenance: PUBLIC's */
+	refuse(fname, cap, -1, NULL);
 }
 
 /*
