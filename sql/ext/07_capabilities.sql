@@ -93,7 +93,9 @@ GRANT SELECT ON idempotency.capability_grants TO pg_monitor;
 
 -- From 1.0: roles that held table privileges on idempotency.claims (INSERT
 -- to claim, DELETE to release) get the capabilities instead, unlimited, and
--- lose every privilege on the table; a NOTICE says so per role.  (A fresh
+-- lose every privilege on the table; a WARNING says so per role (not a
+-- NOTICE: ALTER EXTENSION runs its scripts with client_min_messages at
+-- warning, so a NOTICE would never be seen).  (A fresh
 -- install creates the table later, in 10_claims.sql.)
 DO $caps$
 DECLARE
@@ -119,7 +121,7 @@ BEGIN
             ON CONFLICT DO NOTHING;
         END IF;
         EXECUTE pg_catalog.format('REVOKE ALL ON idempotency.claims FROM %s', r.grantee);
-        RAISE NOTICE 'role % held % on idempotency.claims: granted capability %; its table privileges are revoked',
+        RAISE WARNING 'role % held % on idempotency.claims: granted capability %; its table privileges are revoked',
             r.grantee, r.privs,
             pg_catalog.concat_ws(' and ', CASE WHEN r.ins THEN 'handler' END,
                                  CASE WHEN r.del THEN 'operator' END,
@@ -156,7 +158,7 @@ BEGIN
             SET scopes = NULL, aggregate_types = NULL, sources = NULL;
         EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION idem_maintain(), idem_configure(interval, interval, integer) FROM %s',
                                   r.grantee);
-        RAISE NOTICE 'role % held EXECUTE on idem_maintain(): granted capability operator', r.grantee;
+        RAISE WARNING 'role % held EXECUTE on idem_maintain(): granted capability operator', r.grantee;
     END LOOP;
     REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() TO PUBLIC;
