@@ -242,7 +242,7 @@ idem_check_members_owned(void)
 							IDEM_SCHEMA, quote_identifier(relname ? relname : "?")),
 					 errdetail("It is owned by role %s; maintenance acts as the extension's owner and does not write relations another role controls.",
 							   who ? quote_identifier(who) : "?"),
-					 errhint("Give it back with ALTER TABLE ... OWNER TO the extension's owner, and grant EXECUTE on idem_maintain() to the role that maintains instead.")));
+					 errhint("Give it back with ALTER TABLE ... OWNER TO the extension's owner, and grant the role that maintains the operator capability instead: SELECT idem_grant('role', 'operator').")));
 		}
 	}
 	systable_endscan(scan);
