@@ -55,6 +55,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/keys.h"
 #include "common/rows.h"
 #include "stats/stats.h"
@@ -69,6 +71,7 @@
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "utils/lsyscache.h"
 #include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
@@ -179,13 +182,22 @@ request_exec(RequestStatement st, Datum *values, const char *nulls, int expected
 static uint64
 request_exec_fresh(RequestStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc;
+	MemoryContext cxt = CurrentMemoryContext;
+	volatile int rc = 0;
 
 	if (!IsolationUsesXactSnapshot())
 		return request_exec(st, values, nulls, expected);
-	rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
-							  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
-							  false, false, 0);
+	PG_TRY();
+	{
+		rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
+								  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
+								  false, false, 0);
+	}
+	PG_CATCH();
+	{
+		idem_rethrow_without_sql(cxt, request_plans[st].sql);	/* no SQL text shown */
+	}
+	PG_END_TRY();
 	if (rc != expected)
 		elog(ERROR, "SPI_execute_snapshot failed (%s): %s",
 			 SPI_result_code_string(rc), request_plans[st].sql);
@@ -218,6 +230,8 @@ request_key_args(FunctionCallInfo fcinfo, RequestKey *rk)
 	rk->key_str = text_to_cstring(rk->key);
 	rk->scope_str = text_to_cstring(rk->scope);
 	rk->claim_scope = cstring_to_text(psprintf("%s%s", REQUEST_SCOPE_PREFIX, rk->scope_str));
+	idem_capability_require(get_func_name(fcinfo->flinfo->fn_oid), IDEM_CAP_HANDLER,
+							IDEM_AXIS_SCOPE, rk->scope_str);
 }
 
 /* A required attempt argument: NULL is 22004, below 1 is 22023. */
@@ -631,7 +645,7 @@ idem_request_begin(PG_FUNCTION_ARGS)
 	RequestRow	row;
 	Datum		values[6];
 	bool		nulls[6] = {false};
-	int			nestlevel;
+	IdemAsOwner as;
 
 	request_key_args(fcinfo, &rk);
 	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
@@ -641,11 +655,9 @@ idem_request_begin(PG_FUNCTION_ARGS)
 	PreventCommandIfReadOnly("idem_request_begin()");
 	InitMaterializedSRF(fcinfo, 0);
 
-	nestlevel = idem_pin_search_path();
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	begin_request(&rk, payload, lease, wait, &row);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_spi_finish_as_owner(&as);
 	if (row.status != REQ_COMPLETED)
 		idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_STARTED, 1);
 
@@ -673,17 +685,16 @@ static void
 holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null,
 			  Datum *values, char *nulls)
 {
-	int			nestlevel = idem_pin_search_path();
+	IdemAsOwner as;
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	values[0] = PointerGetDatum(rk->scope);
 	values[1] = PointerGetDatum(rk->key);
 	values[2] = Int32GetDatum(attempt);
 	nulls[2] = attempt_null ? 'n' : ' ';
 	if (request_exec(st, values, nulls, SPI_OK_UPDATE) == 0)
 		holder_missed(st, rk, attempt, attempt_null);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_spi_finish_as_owner(&as);
 }
 
 /* idem_request_checkpoint(key, scope, attempt, recovery_point, state) */
@@ -721,18 +732,16 @@ idem_request_fence(PG_FUNCTION_ARGS)
 	RequestKey	rk;
 	int32		attempt;
 	RequestRow	row;
-	int			nestlevel;
+	IdemAsOwner as;
 
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
 	PreventCommandIfReadOnly("idem_request_fence()");
-	nestlevel = idem_pin_search_path();
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	share_row(&rk, &row);
 	if (row.status != REQ_STARTED || row.attempt != attempt)
 		holder_missed(ST_FIND_FOR_SHARE, &rk, attempt, false);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_VOID();
 }
 

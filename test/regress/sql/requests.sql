@@ -218,14 +218,12 @@ SELECT pg_temp.try($$SELECT idem_request_begin('k', 'payments', 'not json')$$);
 SELECT count(*) - :requests_before AS requests_written FROM idempotency.requests;
 SELECT count(*) - :claims_before AS claims_written FROM idempotency.claims;
 
--- 9. Privileges: begin needs INSERT on idempotency.claims and SELECT,
--- INSERT and UPDATE on idempotency.requests
+-- 9. Capabilities: every request function needs handler (for the scope);
+-- no privilege on a table, no USAGE on schema idempotency
 RESET idempotency.debug_clock_offset;
 CREATE ROLE idem_api;
 CREATE ROLE idem_nobody;
-GRANT USAGE ON SCHEMA idempotency TO idem_api, idem_nobody;
-GRANT INSERT ON idempotency.claims TO idem_api;
-GRANT SELECT, INSERT, UPDATE ON idempotency.requests TO idem_api;
+SELECT idem_grant('idem_api', 'handler', scopes => ARRAY['payments']);
 SET ROLE idem_nobody;
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('p-1', 'payments')$$);
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments')$$);
@@ -238,6 +236,7 @@ SELECT idem_request_fence('p-1', 'payments', 1);
 SELECT idem_request_complete('p-1', 'payments', '{"ok": true}', 1, 200);
 SELECT status, response FROM idem_request_begin('p-1', 'payments');
 RESET ROLE;
+SELECT idem_revoke('idem_api') AS revoked;
 DROP OWNED BY idem_api, idem_nobody;
 DROP ROLE idem_api, idem_nobody;
 
