@@ -16,6 +16,15 @@
  * every call that acts for an attempt checks it is still current (IK003 if
  * not), and it never repeats for a key, not even after abandon().
  *
+ * Responses.  complete() stores the body once, as jsonb ("response") or as
+ * text ("response_body"), with the status and the headers (checked, names
+ * lower-cased), and returns what it stored as begin() replays it: the body
+ * text is the text stored or the jsonb's canonical text, so the first
+ * answer and every replay are the same bytes.  With on_conflict 'return',
+ * begin() gives a live holder back as the row 'in_progress' instead of
+ * IK002: it then runs in a subtransaction that it rolls back, so that it
+ * leaves nothing behind, not even the claim it may have made.
+ *
  * A request and its claim live and leave together: a key has at most one
  * row, and a claim that is new (the key's earlier claim expired or was
  * released while its row stayed, their partitions being dropped apart) makes
@@ -47,6 +56,9 @@
  *	  and then finds, or the holder finds, that the attempt moved on.
  *	- begin() with "wait" polls the row (a live lease is not a lock; the
  *	  holder may be between transactions), sleeping on its latch.
+ *	- begin() with on_conflict 'return' takes these locks in its
+ *	  subtransaction: rolled back (in_progress), it releases them at once;
+ *	  otherwise they pass to the caller's transaction, as without it.
  *
  *-------------------------------------------------------------------------
  */
