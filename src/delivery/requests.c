@@ -591,8 +591,8 @@ next_attempt(RequestKey *rk, RequestRow *seen, RequestStatement st, bytea *diges
 /*
  * The outcome of begin(): fills row with what it returns, and returns true.
  * A live lease after the wait is IK002, or with on_conflict 'return'
- * (give_back) false, with the holder's attempt in out and the lease it has
- * left in *left.  The caller is connected to SPI.
+ * (give_back) false, with the lease the holder has left in *left.  The
+ * caller is connected to SPI.
  */
 static bool
 begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, bool give_back,
@@ -656,7 +656,6 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, bool give
 			{
 				if (!give_back)
 					in_progress(rk, row.attempt, row.lease_until - now);
-				out->attempt = row.attempt;
 				*left = row.lease_until - now;
 				return false;
 			}
