@@ -31,12 +31,16 @@ cd "$(dirname "$0")/../.."
 EX=examples/http-api
 . test/stress/examples.bash
 
+# the API runs as the role schema.sql made, with the grants it shows and
+# nothing else (the provider uses no database)
+APP_ROLE=payments_api
+
 # serve NAME PORT SCRIPT ARGS...: start an example server in the background
-# and wait until it prints its URL; sets URL
+# (as APP_ROLE) and wait until it prints its URL; sets URL
 serve() {
     local name=$1 port=$2
     shift 2
-    "$PY" "$@" --port "$port" >"$tmp/$name.log" 2>&1 &
+    PGUSER=$APP_ROLE "$PY" "$@" --port "$port" >"$tmp/$name.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 100); do
         URL=$(grep -o 'http://[0-9.]*:[0-9]*' "$tmp/$name.log" | head -n 1 || true)

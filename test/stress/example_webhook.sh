@@ -32,7 +32,9 @@ LEASE='2 seconds'
 
 psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/schema.sql"
 
-"$PY" "$EX/receiver.py" --port "$PORT" >"$tmp/receiver.log" 2>&1 &
+# the receiver and the workers run as the roles schema.sql made, with the
+# grants it shows and nothing else
+PGUSER=webhook_receiver "$PY" "$EX/receiver.py" --port "$PORT" >"$tmp/receiver.log" 2>&1 &
 pids+=($!)
 URL=''
 for _ in $(seq 100); do
@@ -44,7 +46,7 @@ done
 
 # worker N: start worker wN in the background; sets WPID
 worker() {
-    "$PY" "$EX/worker.py" --name "w$1" --batch 10 --lease "$LEASE" --poll 0.1 --fail-rate 0.05 \
+    PGUSER=webhook_worker "$PY" "$EX/worker.py" --name "w$1" --batch 10 --lease "$LEASE" --poll 0.1 --fail-rate 0.05 \
         >>"$tmp/worker$1.log" 2>&1 &
     WPID=$!
     pids+=("$WPID")
