@@ -20,7 +20,7 @@ COMMENT ON VIEW idempotency.outbox_dead IS
 -- The dead events an operator may see (its aggregate types), without a
 -- right on the view: src/delivery/dead_letters.c.
 CREATE OR REPLACE FUNCTION idem_outbox_dead() RETURNS SETOF idempotency.outbox_dead
-    AS 'MODULE_PATHNAME', 'idem_outbox_dead' LANGUAGE C STABLE PARALLEL UNSAFE;
+    AS 'MODULE_PATHNAME', 'idem_outbox_dead' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 COMMENT ON FUNCTION idem_outbox_dead() IS
     'dead-lettered outbox events of the aggregate types the caller''s operator capability covers';
 

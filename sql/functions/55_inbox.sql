@@ -22,7 +22,7 @@ COMMENT ON VIEW idempotency.inbox_dead IS
 -- The dead messages an operator may see (its sources), without a right on
 -- the view: src/delivery/dead_letters.c.
 CREATE OR REPLACE FUNCTION idem_inbox_dead() RETURNS SETOF idempotency.inbox_dead
-    AS 'MODULE_PATHNAME', 'idem_inbox_dead' LANGUAGE C STABLE PARALLEL UNSAFE;
+    AS 'MODULE_PATHNAME', 'idem_inbox_dead' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 COMMENT ON FUNCTION idem_inbox_dead() IS
     'dead-lettered inbox messages of the sources the caller''s operator capability covers';
 
