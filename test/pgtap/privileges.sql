@@ -6,10 +6,7 @@
 -- expected set, so a new SECURITY DEFINER function or a new grant cannot
 -- slip in unnoticed: whoever adds one updates this file, and says why in
 -- the commit.  Runs in one transaction that rolls back.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(7);
 

@@ -57,14 +57,9 @@ worker 2
 cat >"$tmp/check.py" <<'PY'
 import collections, json, pickle, queue, random, sys, threading, time, urllib.error, urllib.request
 import psycopg2
+from stress_checks import check, exit_status, sql
 
 phase, URL, STATE = sys.argv[1:4]
-failures = 0
-
-def check(cond, msg):
-    global failures
-    print(("ok: " if cond else "FAIL: ") + msg, flush=True)
-    failures += not cond
 
 def deliver(source, delivery_id, body, ordering_key=None):
     """POST a webhook until it is answered, retrying errors for up to 20 s; (status, json body)."""
@@ -87,16 +82,6 @@ def deliver(source, delivery_id, body, ordering_key=None):
             if time.monotonic() > deadline:
                 return None, {"error": repr(e)}
         time.sleep(0.2)
-
-def sql(query, *params):
-    conn = psycopg2.connect("")
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall()
-    finally:
-        conn.close()
 
 def wait_applied(n, where="true", timeout=90):
     deadline = time.monotonic() + timeout
@@ -203,7 +188,6 @@ def send():
         pickle.dump((sent, dict(ordered)), f)
 
 def verify():
-    global failures
     with open(STATE, "rb") as f:
         sent, ordered = pickle.load(f)
     t0 = time.monotonic()
@@ -239,7 +223,7 @@ def verify():
         pass
 
 {"functional": functional, "send": send, "verify": verify}[phase]()
-sys.exit(1 if failures else 0)
+sys.exit(exit_status())
 PY
 
 failed=0
