@@ -11,10 +11,12 @@
  * tables whose updates leave every index alone (HOT):
  *	- outbox_sequences: per aggregate, the seq of its newest event (and of
  *	  its newest stored and unstored one, for the backlog).  An emit
- *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
- *	  aggregate's first event, which also makes its deliveries row) and so
- *	  holds its row lock to commit: emits to one aggregate serialise, seq
- *	  follows commit order, and a rollback takes its number back (no gaps).
+ *	  increments it (outbox_emit.c moves an existing counter on directly,
+ *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
+ *	  UPDATE for the aggregate's first event, which also makes its
+ *	  deliveries row) and so holds its row lock to commit: emits to one
+ *	  aggregate serialise, seq follows commit order, and a rollback takes
+ *	  its number back (no gaps).
  *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
  *	  the lease, attempts of the head event, retry_at, the dead head and a
  *	  redrive waiting for the lease.

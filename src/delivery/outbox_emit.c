@@ -5,7 +5,14 @@
  *	  caller's transaction, with their seq, their logical decoding message
  *	  and the NOTIFY sent at commit.
  *
- * Storage, delivery states and locking rules: see outbox.c.
+ * Storage, delivery states and locking rules: see outbox.c.  Here: an
+ * aggregate's counter (outbox_sequences) is found, locked and updated
+ * without an executor (bump_counter()), with the row lock an UPDATE takes
+ * (FOR NO KEY UPDATE, held to commit); emit_many takes its aggregates'
+ * counters in sorted order, the existing ones directly and, from the first
+ * without one, the rest by one statement in the same order.  The counters'
+ * table and index, and the events' partition, are opened with
+ * RowExclusiveLock.
  *
  *-------------------------------------------------------------------------
  */
