@@ -47,6 +47,7 @@
 #include "miscadmin.h"
 #include "replication/message.h"
 #include "storage/itemptr.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
@@ -398,6 +399,8 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? idem_empty_object() : idem_check_object(PG_GETARG_JSONB_P(4), "outbox event headers");
 	idem_capability_require("idem_outbox_emit", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, ev.aggregate_type);
+	/* the counter and the event are written without an executor, which would check this */
+	PreventCommandIfReadOnly("idem_outbox_emit()");
 	txid = emitting_transaction();
 	ev.created_at = idem_row_time(txid);
 
@@ -492,6 +495,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("aggregate_ids, event_types, payloads and headers must have the same length")));
 	idem_capability_require("idem_outbox_emit_many", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, aggregate_type);
+	PreventCommandIfReadOnly("idem_outbox_emit_many()");
 	if (n == 0)
 		return (Datum) 0;
 
