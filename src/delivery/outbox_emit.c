@@ -8,7 +8,7 @@
  * Storage, delivery states and locking rules: see outbox.c.  Here: an
  * aggregate's counter (outbox_sequences) is found, locked and updated
  * without an executor (bump_counter()), with the row lock an UPDATE takes
- * (FOR NO KEY UPDATE, held to commit); emit_many takes its aggregates'
+ * (FOR NO KEY UPDATE, held to commit; a recheck locks the newest version); emit_many takes its aggregates'
  * counters in sorted order, the existing ones directly and, from the first
  * without one, the rest by one statement in the same order.  The counters'
  * table and index, and the events' partition, are opened with
@@ -288,12 +288,14 @@ close_counters(Counters *c)
  * as event rows or not ('wal'), as an UPDATE of its row would, but
  * without an executor: the row is found by its primary key with a snapshot
  * taken as SPI takes one for a statement (seeing this transaction's own
- * earlier moves), locked as UPDATE locks it (waiting for the emitter or the
- * unparking relay that holds it; then, in READ COMMITTED, the newest
- * version; under a transaction snapshot a serialization failure if it
- * changed after the snapshot, as UPDATE fails), and updated (HOT: no
- * indexed column changes; else its index entry is added).  The lock is held
- * to commit: that is what orders emits.  Returns the new last_seq, or 0
+ * earlier moves) and updated as UPDATE updates it: waiting for the emitter
+ * or the unparking relay that holds it; if an emitter moved it meanwhile,
+ * in READ COMMITTED its newest version is locked and moved (the executor's
+ * recheck), under a transaction snapshot a serialization failure (as
+ * UPDATE fails).  No separate row lock first (a tuple lock is a WAL record
+ * of its own).  HOT: no indexed column changes; else its index entry is
+ * added.  The update's row lock is held to commit: that is what orders
+ * emits.  Returns the new last_seq, or 0
  * when the aggregate has no counter (the caller makes it with SQL).
  */
 static int64
@@ -332,46 +334,64 @@ bump_counter(Counters *c, const char *type, const char *id, int64 n, bool stored
 		return 0;
 	}
 
-	res = table_tuple_lock(c->rel, &slot->tts_tid, snap, slot, GetCurrentCommandId(true),
-						   LockTupleNoKeyExclusive, LockWaitBlock,
-						   IsolationUsesXactSnapshot() ? 0 : TUPLE_LOCK_FLAG_FIND_LAST_VERSION,
-						   &tmfd);
-	PopActiveSnapshot();
-	switch (res)
+	for (;;)
 	{
-		case TM_Ok:
+		LockTupleMode lockmode;
+
+		slot_getallattrs(slot);
+		for (int i = 0; i < Natts_outbox_sequences; i++)
+		{
+			values[i] = slot->tts_values[i];
+			nulls[i] = slot->tts_isnull[i];
+		}
+		if (nulls[2] || nulls[3] || nulls[4])
+			elog(ERROR, "outbox counter of \"%s\" has a NULL", id);
+		last = DatumGetInt64(values[2]) + n;
+		values[2] = Int64GetDatum(last);
+		if (stored)
+			values[3] = Int64GetDatum(last);
+		else
+			values[4] = Int64GetDatum(last);
+		newtup = heap_form_tuple(RelationGetDescr(c->rel), values, nulls);
+
+		/* waits for a holder (emitter, unparking relay) to end */
+		res = heap_update(c->rel, &slot->tts_tid, newtup, GetCurrentCommandId(true),
+						  InvalidSnapshot, true, &tmfd, &lockmode);
+		if (res == TM_Ok)
 			break;
-		case TM_Updated:
-		case TM_Deleted:
-			if (IsolationUsesXactSnapshot())
-				ereport(ERROR,
-						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-						 errmsg("could not serialize access due to concurrent update")));
-			/* counters are never deleted; a deleted one is made again */
-			if (res == TM_Deleted)
-				return 0;
-			elog(ERROR, "outbox counter of \"%s\" moved while locked", id);
-			break;
-		default:
+		if (res != TM_Updated && res != TM_Deleted)
+			elog(ERROR, "unexpected result %d updating the outbox counter of \"%s\"", (int) res, id);
+		if (IsolationUsesXactSnapshot())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update")));
+		/* counters are never deleted; one deleted meanwhile is made again */
+		if (res == TM_Deleted)
+		{
+			PopActiveSnapshot();
+			heap_freetuple(newtup);
+			ExecClearTuple(slot);
+			return 0;
+		}
+		heap_freetuple(newtup);
+
+		/*
+		 * READ COMMITTED, moved by an emitter that committed meanwhile: lock
+		 * its newest version (as the executor's recheck does) and move that.
+		 */
+		res = table_tuple_lock(c->rel, &tmfd.ctid, snap, slot, GetCurrentCommandId(true),
+							   LockTupleNoKeyExclusive, LockWaitBlock,
+							   TUPLE_LOCK_FLAG_FIND_LAST_VERSION, &tmfd);
+		if (res == TM_Deleted)
+		{
+			PopActiveSnapshot();
+			ExecClearTuple(slot);
+			return 0;
+		}
+		if (res != TM_Ok)
 			elog(ERROR, "unexpected result %d locking the outbox counter of \"%s\"", (int) res, id);
 	}
-
-	slot_getallattrs(slot);
-	for (int i = 0; i < Natts_outbox_sequences; i++)
-	{
-		values[i] = slot->tts_values[i];
-		nulls[i] = slot->tts_isnull[i];
-	}
-	if (nulls[2] || nulls[3] || nulls[4])
-		elog(ERROR, "outbox counter of \"%s\" has a NULL", id);
-	last = DatumGetInt64(values[2]) + n;
-	values[2] = Int64GetDatum(last);
-	if (stored)
-		values[3] = Int64GetDatum(last);
-	else
-		values[4] = Int64GetDatum(last);
-	newtup = heap_form_tuple(RelationGetDescr(c->rel), values, nulls);
-	simple_heap_update(c->rel, &slot->tts_tid, newtup);
+	PopActiveSnapshot();
 	if (!HeapTupleIsHeapOnly(newtup))
 		idem_insert_index_entries(&c->ins, values, nulls, &newtup->t_self, InvalidOid);
 	heap_freetuple(newtup);
