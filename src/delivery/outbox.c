@@ -11,10 +11,12 @@
  * tables whose updates leave every index alone (HOT):
  *	- outbox_sequences: per aggregate, the seq of its newest event (and of
  *	  its newest stored and unstored one, for the backlog).  An emit
- *	  increments it (an UPDATE; INSERT ... ON CONFLICT DO UPDATE for the
- *	  aggregate's first event, which also makes its deliveries row) and so
- *	  holds its row lock to commit: emits to one aggregate serialise, seq
- *	  follows commit order, and a rollback takes its number back (no gaps).
+ *	  increments it (outbox_emit.c moves an existing counter on directly,
+ *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
+ *	  UPDATE for the aggregate's first event, which also makes its
+ *	  deliveries row) and so holds its row lock to commit: emits to one
+ *	  aggregate serialise, seq follows commit order, and a rollback takes
+ *	  its number back (no gaps).
  *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
  *	  the lease, attempts of the head event, retry_at, the dead head and a
  *	  redrive waiting for the lease.
@@ -243,21 +245,8 @@ idem_outbox_init(void)
 	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
 	" ON CONFLICT DO NOTHING"
 
-/* the new seq is stored ($3) or not ('wal') */
-#define NEXT_SEQ \
-	"UPDATE idempotency.outbox_sequences SET last_seq = last_seq + 1," \
-	" stored_seq = CASE WHEN $3 THEN last_seq + 1 ELSE stored_seq END," \
-	" wal_seq = CASE WHEN $3 THEN wal_seq ELSE last_seq + 1 END" \
-	" WHERE aggregate_type = $1 COLLATE \"C\" AND aggregate_id = $2 COLLATE \"C\"" \
-	" RETURNING last_seq"
-
-
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
-	/* an aggregate that has emitted before: a plain (HOT) update of its counter */
-	[ST_EMIT_NEXT_SEQ] = {
-		NEXT_SEQ, 3, {TEXTOID, TEXTOID, BOOLOID}
-	},
-	/* otherwise (none updated): make the counter, or take it over from a racer */
+	/* an aggregate without a counter (outbox_emit.c moves existing ones): make it, or take it over from a racer */
 	[ST_EMIT_SEQ] = {
 		"WITH s AS ("
 		" INSERT INTO idempotency.outbox_sequences AS q"

@@ -70,7 +70,6 @@ extern int	outbox_mode;
 
 typedef enum
 {
-	ST_EMIT_NEXT_SEQ,
 	ST_EMIT_SEQ,
 	ST_RESERVE,
 	ST_CURSOR_READ,

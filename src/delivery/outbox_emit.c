@@ -5,7 +5,14 @@
  *	  caller's transaction, with their seq, their logical decoding message
  *	  and the NOTIFY sent at commit.
  *
- * Storage, delivery states and locking rules: see outbox.c.
+ * Storage, delivery states and locking rules: see outbox.c.  Here: an
+ * aggregate's counter (outbox_sequences) is found, locked and updated
+ * without an executor (bump_counter()), with the row lock an UPDATE takes
+ * (FOR NO KEY UPDATE, held to commit; a recheck locks the newest version); emit_many takes its aggregates'
+ * counters in sorted order, the existing ones directly and, from the first
+ * without one, the rest by one statement in the same order.  The counters'
+ * table and index, and the events' partition, are opened with
+ * RowExclusiveLock.
  *
  *-------------------------------------------------------------------------
  */
@@ -22,7 +29,11 @@
 #include "delivery/store.h"
 #include "delivery/leases.h"
 
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/relscan.h"
 #include "access/table.h"
+#include "access/tableam.h"
 #include "access/transam.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
@@ -30,15 +41,18 @@
 #include "common/hashfn.h"
 #include "common/pg_prng.h"
 #include "executor/spi.h"
+#include "executor/tuptable.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "replication/message.h"
 #include "storage/itemptr.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datetime.h"
+#include "utils/fmgroids.h"
 #include "utils/guc.h"
 #include "utils/json.h"
 #include "utils/jsonb.h"
@@ -221,6 +235,170 @@ insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEv
 	table_close(rel, NoLock);
 }
 
+/*---- counters ----*/
+
+/* columns of idempotency.outbox_sequences, in order */
+#define Natts_outbox_sequences	5
+static const char *const sequence_column_names[Natts_outbox_sequences] = {
+	"aggregate_type", "aggregate_id", "last_seq", "stored_seq", "wal_seq"
+};
+
+/*
+ * idempotency.outbox_sequences and its one index (the primary key), opened
+ * with RowExclusiveLock for counters moved on without an executor.
+ */
+typedef struct Counters
+{
+	Relation	rel;
+	IdemIndexSet ins;
+	TupleTableSlot *slot;
+} Counters;
+
+static void
+open_counters(Counters *c)
+{
+	TupleDesc	desc;
+
+	c->rel = table_open(idem_internal_relid("outbox_sequences"), RowExclusiveLock);
+	desc = RelationGetDescr(c->rel);
+	if (desc->natts != Natts_outbox_sequences)
+		elog(ERROR, "idempotency.outbox_sequences has %d columns, not %d",
+			 desc->natts, Natts_outbox_sequences);
+	for (int i = 0; i < Natts_outbox_sequences; i++)
+		if (TupleDescAttr(desc, i)->attisdropped ||
+			strcmp(NameStr(TupleDescAttr(desc, i)->attname), sequence_column_names[i]) != 0)
+			elog(ERROR, "idempotency.outbox_sequences: column %d is not %s",
+				 i + 1, sequence_column_names[i]);
+	idem_open_insert_indexes(c->rel, &c->ins, "outbox counters");
+	if (c->ins.n != 1 || RelationGetRelid(c->ins.indexes[0]) != RelationGetPrimaryKeyIndex(c->rel))
+		elog(ERROR, "idempotency.outbox_sequences must have its primary key as its only index");
+	c->slot = table_slot_create(c->rel, NULL);
+}
+
+static void
+close_counters(Counters *c)
+{
+	ExecDropSingleTupleTableSlot(c->slot);
+	idem_close_insert_indexes(&c->ins);
+	table_close(c->rel, NoLock);
+}
+
+/*
+ * Move the counter of an aggregate that has one on by n, the new seqs stored
+ * as event rows or not ('wal'), as an UPDATE of its row would, but
+ * without an executor: the row is found by its primary key with a snapshot
+ * taken as SPI takes one for a statement (seeing this transaction's own
+ * earlier moves) and updated as UPDATE updates it: waiting for the emitter
+ * or the unparking relay that holds it; if an emitter moved it meanwhile,
+ * in READ COMMITTED its newest version is locked and moved (the executor's
+ * recheck), under a transaction snapshot a serialization failure (as
+ * UPDATE fails).  No separate row lock first (a tuple lock is a WAL record
+ * of its own).  HOT: no indexed column changes; else its index entry is
+ * added.  The update's row lock is held to commit: that is what orders
+ * emits.  Returns the new last_seq, or 0
+ * when the aggregate has no counter (the caller makes it with SQL).
+ */
+static int64
+bump_counter(Counters *c, const char *type, const char *id, int64 n, bool stored)
+{
+	Relation	index = c->ins.indexes[0];
+	TupleTableSlot *slot = c->slot;
+	ScanKeyData key[2];
+	IndexScanDesc scan;
+	Snapshot	snap;
+	bool		found;
+	TM_Result	res;
+	TM_FailureData tmfd;
+	Datum		values[Natts_outbox_sequences];
+	bool		nulls[Natts_outbox_sequences];
+	HeapTuple	newtup;
+	int64		last;
+
+	ScanKeyInit(&key[0], 1, BTEqualStrategyNumber, F_TEXTEQ, CStringGetTextDatum(type));
+	key[0].sk_collation = index->rd_indcollation[0];
+	ScanKeyInit(&key[1], 2, BTEqualStrategyNumber, F_TEXTEQ, CStringGetTextDatum(id));
+	key[1].sk_collation = index->rd_indcollation[1];
+
+	CommandCounterIncrement();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+	snap = GetActiveSnapshot();
+
+	scan = index_beginscan(c->rel, index, snap, 2, 0);
+	index_rescan(scan, key, 2, NULL, 0);
+	found = index_getnext_slot(scan, ForwardScanDirection, slot);
+	index_endscan(scan);
+	if (!found)
+	{
+		PopActiveSnapshot();
+		return 0;
+	}
+
+	for (;;)
+	{
+		LockTupleMode lockmode;
+
+		slot_getallattrs(slot);
+		for (int i = 0; i < Natts_outbox_sequences; i++)
+		{
+			values[i] = slot->tts_values[i];
+			nulls[i] = slot->tts_isnull[i];
+		}
+		if (nulls[2] || nulls[3] || nulls[4])
+			elog(ERROR, "outbox counter of \"%s\" has a NULL", id);
+		last = DatumGetInt64(values[2]) + n;
+		values[2] = Int64GetDatum(last);
+		if (stored)
+			values[3] = Int64GetDatum(last);
+		else
+			values[4] = Int64GetDatum(last);
+		newtup = heap_form_tuple(RelationGetDescr(c->rel), values, nulls);
+
+		/* waits for a holder (emitter, unparking relay) to end */
+		res = heap_update(c->rel, &slot->tts_tid, newtup, GetCurrentCommandId(true),
+						  InvalidSnapshot, true, &tmfd, &lockmode);
+		if (res == TM_Ok)
+			break;
+		if (res != TM_Updated && res != TM_Deleted)
+			elog(ERROR, "unexpected result %d updating the outbox counter of \"%s\"", (int) res, id);
+		if (IsolationUsesXactSnapshot())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update")));
+		/* counters are never deleted; one deleted meanwhile is made again */
+		if (res == TM_Deleted)
+		{
+			PopActiveSnapshot();
+			heap_freetuple(newtup);
+			ExecClearTuple(slot);
+			return 0;
+		}
+		heap_freetuple(newtup);
+
+		/*
+		 * READ COMMITTED, moved by an emitter that committed meanwhile: lock
+		 * its newest version (as the executor's recheck does) and move that.
+		 */
+		res = table_tuple_lock(c->rel, &tmfd.ctid, snap, slot, GetCurrentCommandId(true),
+							   LockTupleNoKeyExclusive, LockWaitBlock,
+							   TUPLE_LOCK_FLAG_FIND_LAST_VERSION, &tmfd);
+		if (res == TM_Deleted)
+		{
+			PopActiveSnapshot();
+			ExecClearTuple(slot);
+			return 0;
+		}
+		if (res != TM_Ok)
+			elog(ERROR, "unexpected result %d locking the outbox counter of \"%s\"", (int) res, id);
+	}
+	PopActiveSnapshot();
+	if (!HeapTupleIsHeapOnly(newtup))
+		idem_insert_index_entries(&c->ins, values, nulls, &newtup->t_self, InvalidOid);
+	heap_freetuple(newtup);
+	ExecClearTuple(slot);
+	return last;
+}
+
 Datum
 idem_outbox_emit(PG_FUNCTION_ARGS)
 {
@@ -241,6 +419,8 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? idem_empty_object() : idem_check_object(PG_GETARG_JSONB_P(4), "outbox event headers");
 	idem_capability_require("idem_outbox_emit", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, ev.aggregate_type);
+	/* the counter and the event are written without an executor, which would check this */
+	PreventCommandIfReadOnly("idem_outbox_emit()");
 	txid = emitting_transaction();
 	ev.created_at = idem_row_time(txid);
 
@@ -253,14 +433,21 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	values[0] = CStringGetTextDatum(ev.aggregate_type);
 	values[1] = CStringGetTextDatum(ev.aggregate_id);
 	values[2] = BoolGetDatum(outbox_mode != MODE_WAL);
-	n = outbox_exec(ST_EMIT_NEXT_SEQ, values, NULL, SPI_OK_UPDATE_RETURNING);
-	if (n == 0)
-		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
-	if (n != 1)
-		elog(ERROR, "outbox emit took " UINT64_FORMAT " seqs", n);
+	{
+		Counters	c;
+
+		open_counters(&c);
+		ev.seq = bump_counter(&c, ev.aggregate_type, ev.aggregate_id, 1, outbox_mode != MODE_WAL);
+		close_counters(&c);
+	}
+	if (ev.seq == 0)
 	{
 		bool		isnull;
 
+		/* its first event, or a racer made the counter: SQL makes or takes it */
+		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+		if (n != 1)
+			elog(ERROR, "outbox emit took " UINT64_FORMAT " seqs", n);
 		ev.seq = DatumGetInt64(idem_spi_col(0, 1, &isnull));
 	}
 	idem_spi_finish_as_owner(&as);
@@ -307,6 +494,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	Datum	   *headers = NULL;
 	int			n;
 	int			nagg = 0;
+	int			first_new;
 	char	  **names;			/* distinct aggregate ids, sorted */
 	Datum	   *counts;			/* events per aggregate */
 	int64	   *next_seq;
@@ -327,6 +515,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("aggregate_ids, event_types, payloads and headers must have the same length")));
 	idem_capability_require("idem_outbox_emit_many", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, aggregate_type);
+	PreventCommandIfReadOnly("idem_outbox_emit_many()");
 	if (n == 0)
 		return (Datum) 0;
 
@@ -366,22 +555,45 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		counts[nagg++] = Int64GetDatum(1);
 	}
 
+	/*
+	 * The counters in sorted order (lock order): moved on directly while
+	 * they exist; from the first aggregate without one on, the rest (still
+	 * in sorted order) by one statement that makes or takes them.
+	 */
 	next_seq = palloc(sizeof(int64) * nagg);
-	idem_spi_connect_as_owner(&as);
 	{
+		Counters	c;
+
+		open_counters(&c);
+		for (first_new = 0; first_new < nagg; first_new++)
+		{
+			int64		count = DatumGetInt64(counts[first_new]);
+			int64		last = bump_counter(&c, aggregate_type, names[first_new], count,
+											outbox_mode != MODE_WAL);
+
+			if (last == 0)
+				break;
+			next_seq[first_new] = last - count + 1;
+		}
+		close_counters(&c);
+	}
+	if (first_new < nagg)
+	{
+		int			rest = nagg - first_new;
 		Datum		values[4];
-		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
+		Datum	   *name_datums = palloc(sizeof(Datum) * rest);
 		uint64		got;
 
-		for (int a = 0; a < nagg; a++)
-			name_datums[a] = CStringGetTextDatum(names[a]);
+		for (int a = 0; a < rest; a++)
+			name_datums[a] = CStringGetTextDatum(names[first_new + a]);
 		values[0] = CStringGetTextDatum(aggregate_type);
-		values[1] = idem_build_array(name_datums, NULL, nagg, TEXTOID);
-		values[2] = idem_build_array(counts, NULL, nagg, INT8OID);
+		values[1] = idem_build_array(name_datums, NULL, rest, TEXTOID);
+		values[2] = idem_build_array(counts + first_new, NULL, rest, INT8OID);
 		values[3] = BoolGetDatum(outbox_mode != MODE_WAL);
+		idem_spi_connect_as_owner(&as);
 		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
-		if (got != (uint64) nagg)
-			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, nagg);
+		if (got != (uint64) rest)
+			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, rest);
 		for (uint64 r = 0; r < got; r++)
 		{
 			bool		isnull;
@@ -390,12 +602,12 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 
 			next_seq[a] = DatumGetInt64(idem_spi_col(r, 2, &isnull)) - DatumGetInt64(counts[a]) + 1;
 		}
+		idem_spi_finish_as_owner(&as);
 	}
 	/* seqs in array order */
 	for (int i = 0; i < n; i++)
 		evs[i].seq = next_seq[sorted_index(names, nagg, evs[i].aggregate_id)]++;
 
-	idem_spi_finish_as_owner(&as);
 	if (outbox_mode != MODE_WAL)
 		insert_events(rel, bucket, txid, evs, n);
 

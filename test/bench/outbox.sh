@@ -56,6 +56,16 @@
 #             figures; a checkpoint adds a full-page image per page first
 #             touched after it (many more pages for the candidate: its
 #             sequence, delivery and aggregate-index pages are spread out)
+#   f cpu     CPU time per event in one backend (utime + stime of
+#             /proc/PID/stat, which other load on a shared machine barely
+#             moves; Linux only), as caps.sh does for claims: a DO loop of
+#             IDEM_OUTBOX_CPU_EVENTS INSERTs into bench_outbox, as many
+#             idem_outbox_emit calls, and emit_many calls of 100 (a
+#             commit per 100 events, outbox_notify = off; the same
+#             aggregates in the same order on each side, 100 per
+#             transaction, stride 97 as in (d)), interleaved,
+#             the first round discarded as warm-up, medians of the rest:
+#             emit vs INSERT (target >= 0.9x) and emit_many vs emit
 #
 # Ratios are candidate / baseline of the medians of interleaved rounds (the
 # order of the two sides alternates from round to round); for (e) lower is
@@ -76,6 +86,7 @@
 #   IDEM_OUTBOX_IDLE_MS     relay sleep after a short batch in (c) (10)
 #   IDEM_OUTBOX_PGQ_TICKER  consumer | pgqd (consumer)
 #   IDEM_OUTBOX_WAL_EVENTS  events per side in (e) (20000)
+#   IDEM_OUTBOX_CPU_EVENTS  events per side and round in (f) (20000)
 #   IDEM_OUTBOX_KEEP=1      keep the databases (obx_emit, obx_drain, ...)
 #   IDEM_OUTBOX_BASELINE_ONLY=1  skip every candidate measurement (to try
 #                           the script on a build without the outbox)
@@ -85,7 +96,7 @@ dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
 ROUNDS=${IDEM_BENCH_ROUNDS:-3}
-PARTS=${IDEM_OUTBOX_PARTS:-emit drain e2e many wal}
+PARTS=${IDEM_OUTBOX_PARTS:-emit drain e2e many wal cpu}
 AGGS=${IDEM_OUTBOX_AGGREGATES:-10000}
 NEV=${IDEM_OUTBOX_EVENTS:-200000}
 RELAYS=${IDEM_OUTBOX_RELAYS:-2 4}
@@ -94,6 +105,7 @@ E2E_SECS=${IDEM_OUTBOX_E2E_SECONDS:-$((2 * SECS))}
 IDLE=${IDEM_OUTBOX_IDLE_MS:-10}
 TICKER=${IDEM_OUTBOX_PGQ_TICKER:-consumer}
 WAL_EV=${IDEM_OUTBOX_WAL_EVENTS:-20000}
+CPU_EV=${IDEM_OUTBOX_CPU_EVENTS:-20000}
 DRAIN_MAX=${IDEM_OUTBOX_DRAIN_MAX_SECONDS:-15}
 LOAD_TXN=50     # events per transaction when (b) loads its events
 BASE_ONLY=${IDEM_OUTBOX_BASELINE_ONLY:-}
@@ -619,6 +631,76 @@ part_wal() {
 }
 
 started=$SECONDS
+# ------------------------------------------------------------------ (f) cpu
+
+part_cpu() {
+    local db=obx_cpu
+    new_db $db
+    warm_aggregates $db
+    echo "(f) CPU time per event in one backend, $((ROUNDS + 1)) rounds of $CPU_EV events per side (the first discarded)"
+    if [[ -n $BASE_ONLY ]]; then return 0; fi
+    q $db -v rounds=$((ROUNDS + 1)) -v events="$CPU_EV" -v aggs="$AGGS" <<'SQL'
+SET client_min_messages = warning;
+SET idempotency.outbox_notify = off;
+CREATE TEMP TABLE t (what text, secs float8);
+CREATE FUNCTION pg_temp.cpu() RETURNS float8 LANGUAGE sql AS $$
+    SELECT (f[12]::float8 + f[13]::float8) / 100     -- utime, stime: fields 14, 15 (the 12th, 13th after the name)
+      FROM (SELECT string_to_array(split_part(pg_read_file('/proc/' || pg_backend_pid() || '/stat'), ') ', 2), ' ') AS f) s
+$$;
+SELECT set_config('bench.rounds', :'rounds', false), set_config('bench.events', :'events', false),
+       set_config('bench.aggs', :'aggs', false) \gset
+DO $$
+DECLARE
+    c0 float8;
+    rounds int := current_setting('bench.rounds')::int;
+    n int := current_setting('bench.events')::int;
+    aggs int := current_setting('bench.aggs')::int;
+BEGIN
+    FOR r IN 1..rounds LOOP
+        c0 := pg_temp.cpu();
+        FOR i IN 1..n LOOP
+            INSERT INTO bench_outbox (aggregate_type, aggregate_id, type, payload)
+            VALUES ('order', (((i - 1) / 100 * 100 + (i - 1) % 100 * 97) % aggs + 1)::text, 'created', '{"n":1}');
+            IF i % 100 = 0 THEN COMMIT; END IF;
+        END LOOP;
+        COMMIT;
+        IF r > 1 THEN INSERT INTO t VALUES ('INSERT', pg_temp.cpu() - c0); END IF;
+        c0 := pg_temp.cpu();
+        FOR i IN 1..n LOOP
+            PERFORM idem_outbox_emit('order', (((i - 1) / 100 * 100 + (i - 1) % 100 * 97) % aggs + 1)::text,
+                                     'created', '{"n":1}');
+            IF i % 100 = 0 THEN COMMIT; END IF;
+        END LOOP;
+        COMMIT;
+        IF r > 1 THEN INSERT INTO t VALUES ('idem_outbox_emit', pg_temp.cpu() - c0); END IF;
+        c0 := pg_temp.cpu();
+        FOR i IN 1..n / 100 LOOP
+            PERFORM count(*) FROM idem_outbox_emit_many('order',
+                ARRAY(SELECT (((i - 1) * 100 + g * 97) % aggs + 1)::text FROM generate_series(0, 99) g),
+                array_fill('created'::text, ARRAY[100]), array_fill('{"n":1}'::jsonb, ARRAY[100]));
+            COMMIT;
+        END LOOP;
+        IF r > 1 THEN INSERT INTO t VALUES ('idem_outbox_emit_many', pg_temp.cpu() - c0); END IF;
+        COMMIT;
+    END LOOP;
+END
+$$;
+WITH m AS (SELECT what, percentile_cont(0.5) WITHIN GROUP (ORDER BY secs) / current_setting('bench.events')::int * 1e6 AS us
+             FROM t GROUP BY what)
+SELECT format('  %s: %s us/event', what, round(us::numeric, 2)) FROM m ORDER BY what;
+WITH m AS (SELECT what, percentile_cont(0.5) WITHIN GROUP (ORDER BY secs) AS secs FROM t GROUP BY what)
+SELECT format('outbox (f) CPU per event in one backend, emit: idem_outbox_emit %s events/s vs INSERT %s events/s = %sx',
+              round(n / e.secs), round(n / i.secs), round((i.secs / e.secs)::numeric, 2))
+  FROM m e, m i, (SELECT current_setting('bench.events')::int AS n) c
+ WHERE e.what = 'idem_outbox_emit' AND i.what = 'INSERT'
+UNION ALL
+SELECT format('outbox (f) CPU per event in one backend, batch: idem_outbox_emit_many %s events/s vs idem_outbox_emit %s events/s = %sx',
+              round(n / b.secs), round(n / e.secs), round((e.secs / b.secs)::numeric, 2))
+  FROM m b, m e, (SELECT current_setting('bench.events')::int AS n) c
+ WHERE b.what = 'idem_outbox_emit_many' AND e.what = 'idem_outbox_emit';
+SQL
+}
+
 for p in $PARTS; do
     t=$SECONDS
     case $p in
@@ -627,7 +709,8 @@ for p in $PARTS; do
         e2e)   part_e2e ;;
         many)  part_many ;;
         wal)   part_wal ;;
-        *) die "unknown part '$p' (emit drain e2e many wal)" ;;
+        cpu)   part_cpu ;;
+        *) die "unknown part '$p' (emit drain e2e many wal cpu)" ;;
     esac
     echo "  ($p: $((SECONDS - t)) s)"
 done

@@ -11,7 +11,7 @@
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(348);
+SELECT plan(352);
 
 -- helpers -------------------------------------------------------------------
 
@@ -301,6 +301,17 @@ SELECT throws_ok($$SELECT idem_outbox_emit('bad', 'b-1', 'x', 'text'::text)$$, '
 SELECT is((SELECT count(*)::int FROM idempotency.outbox_events WHERE aggregate_type = 'bad')
           + (SELECT count(*)::int FROM idempotency.outbox_sequences WHERE aggregate_type = 'bad'), 0,
           'failed emits left no event and no counter');
+-- a read-only transaction (as on a standby) emits nothing, whether the
+-- aggregate has a counter (moved on without an executor) or not
+SELECT lives_ok($$SELECT idem_outbox_emit('ro', 'r-1', 'x', '{}')$$, 'emit: r-1 has a counter');
+SELECT throws_ok($$SET LOCAL transaction_read_only = on; SELECT idem_outbox_emit('ro', 'r-1', 'ro', '{}')$$,
+                 '25006', NULL, 'emit in a read-only transaction raises 25006');
+SELECT throws_ok($$SET LOCAL transaction_read_only = on;
+                   SELECT idem_outbox_emit_many('ro', ARRAY['r-1', 'r-2'], ARRAY['ro', 'ro'], ARRAY['{}', '{}']::jsonb[])$$,
+                 '25006', NULL, 'emit_many in a read-only transaction raises 25006');
+SELECT is((SELECT array_agg(seq) FROM idempotency.outbox_events WHERE aggregate_type = 'ro')
+          || (SELECT array_agg(last_seq) FROM idempotency.outbox_sequences WHERE aggregate_type = 'ro'),
+          ARRAY[1, 1]::bigint[], 'read-only emits left no event and moved no counter');
 SELECT is(ARRAY(SELECT (idem_outbox_emit(t, i, e, '{}')).seq
                   FROM (VALUES (repeat('t', 63), 'l', 'x'), ('long', repeat('i', 2000), 'x'),
                                ('long', 'l', repeat('e', 255))) v(t, i, e)),
