@@ -2,8 +2,9 @@
 """A payments HTTP API that honours Idempotency-Key, on the idempotency extension.
 
 POST /payments  {customer, amount, currency}, header Idempotency-Key (required)
-  201 payment made, 402 card declined: both stored and replayed byte for byte
-  to every later request with the same key (header Idempotent-Replayed: true);
+  201 payment made (with Location), 402 card declined: both stored, headers
+  included, and replayed byte for byte to every later request with the same
+  key (header Idempotent-Replayed: true);
   400 bad input, 409 the key is being worked on (Retry-After), 422 the key was
   used with another body, 503 the provider failed (Retry-After; nothing stored).
 
@@ -25,12 +26,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg2
-import psycopg2.extras
 
 SCOPE = "payments"
-# keep jsonb as the text PostgreSQL prints: first response and replays are
-# then the same bytes
-psycopg2.extras.register_default_jsonb(globally=True, loads=lambda s: s)
 args = None
 
 
@@ -63,18 +60,24 @@ class HTTPError(Exception):
 
 
 def db_error_to_http(e):
-    """SQLSTATE -> HTTP, as the error table of doc/reference.md says."""
-    code, detail = e.pgcode, (e.diag.message_detail or "")
+    """SQLSTATE -> HTTP, as the error table of doc/reference.md says.  (IK002 does not come:
+    begin is called with on_conflict => 'return' and answers in_progress instead.)"""
+    code = e.pgcode
     if code in ("22004", "22023", "22001"):
         return HTTPError(400, e.diag.message_primary)
     if code == "IK001":
         return HTTPError(422, "idempotency key reused with a different request")
-    if code == "IK002":                 # "... ends in 3.214 seconds."
-        m = re.search(r"ends in ([0-9.]+) seconds", detail)
-        return HTTPError(409, "request in progress", max(1, math.ceil(float(m.group(1)))) if m else 1)
     if code == "IK003":                 # our lease was taken over: the other holder finishes
         return HTTPError(409, "request in progress", 1)
     return None
+
+
+def stored_headers(headers, replayed):
+    """The headers to send with a stored answer: its own, and the replay marker."""
+    out = dict(headers or {})
+    if replayed:
+        out["Idempotent-Replayed"] = "true"
+    return out
 
 
 def call_provider(key, req):
@@ -95,38 +98,49 @@ def call_provider(key, req):
 
 
 def finish(key, attempt, req, status, charge):
-    """Record the outcome and store the response, in one transaction; return the body as stored."""
+    """Record the outcome and store the response, in one transaction; return what was stored
+    (status, body text, headers): the first answer, the same bytes as every replay."""
     with pool.transaction() as cur:
         # raises IK003 if another attempt took over, and keeps it from completing until we commit
         cur.execute("SELECT idem_request_fence(%s, %s, %s)", (key, SCOPE, attempt))
         cur.execute("""
             INSERT INTO payments (key, customer, amount, currency, status, charge_id, request)
             VALUES (%s, %s, %s, %s, %s, %s, %s)
-            RETURNING CASE WHEN status = 'succeeded'
+            RETURNING id, CASE WHEN status = 'succeeded'
                 THEN jsonb_build_object('id', 'pay_' || id, 'status', status, 'charge_id', charge_id,
                                         'customer', customer, 'amount', amount, 'currency', currency)
                 ELSE jsonb_build_object('id', 'pay_' || id, 'status', status,
-                                        'error', 'card_declined', 'decline_code', %s) END""",
+                                        'error', 'card_declined', 'decline_code', %s) END::text""",
                     (key, req["customer"], req["amount"], req["currency"],
                      "succeeded" if status == 201 else "declined", charge.get("id"),
                      json.dumps(req), charge.get("decline_code")))
-        body = cur.fetchone()[0]        # jsonb as text, exactly as a replay will return it
-        cur.execute("SELECT idem_request_complete(%s, %s, %s, %s, %s)", (key, SCOPE, body, attempt, status))
-    return body
+        payment_id, body = cur.fetchone()
+        headers = {"Location": f"/payments/pay_{payment_id}"} if status == 201 else None
+        # stored as jsonb; response_body is its canonical text, as every replay will return it
+        cur.execute("""SELECT response_status, response_body, response_headers
+                       FROM idem_request_complete(%s, %s, %s, %s, %s, response_headers => %s)""",
+                    (key, SCOPE, body, attempt, status, json.dumps(headers) if headers else None))
+        response_status, response_body, response_headers = cur.fetchone()
+    return response_status, response_body, stored_headers(response_headers, False)
 
 
 def handle_payment(key, req):
-    """Return (status, body text, extra headers)."""
+    """Return (status, body text, headers)."""
     with pool.transaction() as cur:
-        cur.execute("""SELECT status, response, response_status, attempt, recovery_point, state
-                       FROM idem_request_begin(%s, %s, %s, lease => %s, wait => %s)""",
+        cur.execute("""SELECT status, attempt, recovery_point, state, retry_after,
+                              replayed, response_status, response_body, response_headers
+                       FROM idem_request_begin(%s, %s, %s, lease => %s, wait => %s,
+                                               on_conflict => 'return')""",
                     (key, SCOPE, json.dumps(req), args.lease, args.wait))
-        status, response, response_status, attempt, recovery_point, state = cur.fetchone()
-    if status == "completed":
-        return response_status, response, {"Idempotent-Replayed": "true"}
+        (status, attempt, recovery_point, state, retry_after,
+         replayed, response_status, response_body, response_headers) = cur.fetchone()
+    if status == "in_progress":                   # another request holds the key: its lease left
+        raise HTTPError(409, "request in progress", max(1, math.ceil(retry_after.total_seconds())))
+    if status == "completed":                     # the stored answer, as first sent
+        return response_status, response_body, stored_headers(response_headers, replayed)
     try:
         if recovery_point == "charged":           # an earlier attempt charged, then stopped
-            charge_status, charge = 201, json.loads(state)
+            charge_status, charge = 201, state
         else:
             result = call_provider(key, req)
             if result is None:                    # not stored: the retry starts afresh
@@ -138,7 +152,7 @@ def handle_payment(key, req):
                 with pool.transaction() as cur:
                     cur.execute("SELECT idem_request_checkpoint(%s, %s, %s, 'charged', %s)",
                                 (key, SCOPE, attempt, json.dumps(charge)))
-        return charge_status, finish(key, attempt, req, charge_status, charge), {}
+        return finish(key, attempt, req, charge_status, charge)
     except HTTPError:
         raise
     except Exception as e:
@@ -163,7 +177,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
-                self.send_header(k, str(v))
+                for one in (v if isinstance(v, list) else [v]):   # an array: one line each
+                    self.send_header(k, str(one))
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):

@@ -3,9 +3,14 @@
 -- idem_claim() writes straight into the partitions of idempotency.claims
 -- (never into the parent, whose trigger refuses a direct insert) under its
 -- own cross-partition value lock; see src/claims/claims.c.
+-- Capabilities decide who may claim and look up (handler) and release
+-- (operator): src/common/capabilities.c.
 
 COMMENT ON TABLE idempotency.claims IS
     'claims made by idem_claim(), across all time partitions (read-only: claim with idem_claim())';
+-- nobody but the owner has a right on it: roles claim with capabilities
+-- (sql/tables/07_capabilities.sql revokes 1.0's grants on update)
+REVOKE ALL ON idempotency.claims FROM PUBLIC;
 
 CREATE OR REPLACE FUNCTION idempotency.claims_read_only() RETURNS trigger
     LANGUAGE plpgsql AS

@@ -19,5 +19,9 @@ COMMENT ON FUNCTION idem_maintain() IS
 -- 60_partitions.sql.
 
 -- Maintenance is a capability: a round runs as the extension's owner
--- (src/maintenance/maintenance.c), so who may start one is who holds EXECUTE.
+-- (src/maintenance/maintenance.c), so who may start one is who holds the
+-- unlimited operator capability (src/common/capabilities.c), which both
+-- functions check.  (Revoked and granted again, so that the ACL is the one
+-- the update from 1.0 leaves.)
 REVOKE ALL ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idem_configure(interval, interval, integer), idem_maintain() TO PUBLIC;

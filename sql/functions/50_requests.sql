@@ -11,9 +11,11 @@ CREATE OR REPLACE TRIGGER request_partitions_changed
 ALTER TABLE idempotency.request_partitions ENABLE ALWAYS TRIGGER request_partitions_changed;
 
 CREATE OR REPLACE FUNCTION idem_request_begin(key text, scope text DEFAULT 'default', payload jsonb DEFAULT NULL,
-                                              lease interval DEFAULT '1 minute', wait interval DEFAULT '0')
+                                              lease interval DEFAULT '1 minute', wait interval DEFAULT '0',
+                                              on_conflict text DEFAULT 'error')
     RETURNS TABLE(status text, response jsonb, response_status integer, attempt integer,
-                  recovery_point text, state jsonb)
+                  recovery_point text, state jsonb, retry_after interval, replayed boolean,
+                  response_body text, response_headers jsonb)
     AS 'MODULE_PATHNAME', 'idem_request_begin' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_request_checkpoint(key text, scope text, attempt integer, recovery_point text,
@@ -30,8 +32,10 @@ CREATE OR REPLACE FUNCTION idem_request_extend(key text, scope text, attempt int
     AS 'MODULE_PATHNAME', 'idem_request_extend' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_request_complete(key text, scope text DEFAULT 'default', response jsonb DEFAULT NULL,
-                                                 attempt integer DEFAULT NULL, response_status integer DEFAULT NULL)
-    RETURNS void
+                                                 attempt integer DEFAULT NULL, response_status integer DEFAULT NULL,
+                                                 response_body text DEFAULT NULL, response_headers jsonb DEFAULT NULL)
+    RETURNS TABLE(status text, response jsonb, response_status integer, response_body text,
+                  response_headers jsonb, replayed boolean)
     AS 'MODULE_PATHNAME', 'idem_request_complete' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE OR REPLACE FUNCTION idem_request_abandon(key text, scope text DEFAULT 'default', attempt integer DEFAULT NULL)

@@ -33,8 +33,8 @@ CREATE OR REPLACE FUNCTION idem_stats_reset(all_databases boolean DEFAULT false)
     AS 'MODULE_PATHNAME', 'idem_stats_reset' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 COMMENT ON FUNCTION idem_stats_reset(boolean) IS
     'start this database''s idempotency.stats counters afresh (every database''s: all_databases, superuser only)';
--- Resetting is an operator's business, like pg_stat_reset().
-REVOKE ALL ON FUNCTION idem_stats_reset(boolean) FROM PUBLIC;
+-- Resetting is an operator's business, like pg_stat_reset(): it checks the
+-- unlimited operator capability (src/common/capabilities.c).
 
 COMMENT ON TABLE idempotency.scope_history IS
     'claims per scope of the sealed partitions (written by maintenance; read idempotency.consumers)';

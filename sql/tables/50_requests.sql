@@ -20,11 +20,14 @@ CREATE TABLE idempotency.requests (
     lease_until     timestamptz,
     recovery_point  text,
     state           jsonb,
-    response        jsonb,
+    response        jsonb,                    -- the body, when given as jsonb
     response_status integer,
+    response_body   text,                     -- the body, when given as text
+    response_headers jsonb,                   -- {"name": "value" or ["value", ...]}, names lower case
     created_at      timestamptz NOT NULL,
     updated_at      timestamptz NOT NULL,
-    bucket          integer NOT NULL          -- the partition it went into
+    bucket          integer NOT NULL,         -- the partition it went into
+    CHECK (response IS NULL OR response_body IS NULL)
 ) PARTITION BY LIST (bucket);
 
 -- The partitions, as maintenance made them (like outbox_partitions).

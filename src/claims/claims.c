@@ -56,6 +56,7 @@
 #include "common/catalog.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
 #include "common/keys.h"
 #include "common/rows.h"
 #include "stats/stats.h"
@@ -172,19 +173,6 @@ claim_key_args(FunctionCallInfo fcinfo, int argno, ClaimKey *ck)
 	ck->hash = idem_key_hash(ck->scope, ck->key);
 	ck->payload = NULL;
 	ck->has_digest = false;
-}
-
-/* The privilege on idempotency.claims that an operation needs. */
-static void
-check_claims_privilege(IdemPartitionSet *set, AclMode mode, const char *what)
-{
-	if (pg_class_aclcheck(set->claims_relid, GetUserId(), mode) != ACLCHECK_OK)
-		ereport(ERROR,
-				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
-				 errmsg("permission denied to %s", what),
-				 errhint("Grant %s on table idempotency.claims to the role.",
-						 mode == ACL_INSERT ? "INSERT" :
-						 mode == ACL_DELETE ? "DELETE" : "SELECT")));
 }
 
 /*---- payload digests ----*/
@@ -735,11 +723,16 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 	}
 }
 
-/* The common set-up of idem_claim() and idem_claim_many(). */
+/*
+ * The common set-up of idem_claim() and idem_claim_many(); capname names
+ * the function for a missing capability, NULL if the caller (another
+ * subsystem) checked its own.
+ */
 static void
-check_can_claim(const char *fname)
+check_can_claim(const char *fname, const char *capname, text *scope)
 {
-	check_claims_privilege(idem_partition_set(), ACL_INSERT, "claim keys");
+	if (capname != NULL)
+		idem_capability_require(capname, IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE, text_to_cstring(scope));
 	PreventCommandIfReadOnly(fname);
 }
 
@@ -748,7 +741,7 @@ check_can_claim(const char *fname)
  */
 /* Claim one checked key with its payload (NULL: none), for fname. */
 static bool
-claim_one(ClaimKey *ck, Jsonb *payload, const char *fname)
+claim_one(ClaimKey *ck, Jsonb *payload, const char *fname, const char *capname)
 {
 	ClaimCall	call;
 	bool		claimed;
@@ -757,7 +750,7 @@ claim_one(ClaimKey *ck, Jsonb *payload, const char *fname)
 	ck->has_digest = payload != NULL;
 	if (payload != NULL)
 		idem_payload_digest(payload, ck->digest);
-	check_can_claim(fname);
+	check_can_claim(fname, capname, ck->scope);
 	claim_call_init(&call, false);
 	claimed = claim_key(&call, ck);
 	claim_call_close(&call);
@@ -771,15 +764,17 @@ idem_claim(PG_FUNCTION_ARGS)
 
 	claim_key_args(fcinfo, 0, &ck);
 	PG_RETURN_BOOL(claim_one(&ck, PG_ARGISNULL(2) ? NULL : PG_GETARG_JSONB_P(2),
-							 "idem_claim()"));
+							 "idem_claim()", "idem_claim"));
 }
 
 /*
  * Claim (scope, key) for another subsystem (the inbox, the requests, routed
  * claims), with the same protocol, uniqueness and retention as
  * idem_claim(); the caller has checked the scope, and names itself in
- * fname.  payload may be NULL.  True if the caller's transaction now holds
- * the claim; IK001 if a claim with another payload exists.
+ * fname.  payload may be NULL.  The caller has checked the capability it
+ * needs (a handler of the inbox source, of the request scope, ...).  True
+ * if the caller's transaction now holds the claim; IK001 if a claim with
+ * another payload exists.
  */
 bool
 idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname)
@@ -790,7 +785,7 @@ idem_claim_key(text *scope, text *key, Jsonb *payload, const char *fname)
 	ck.scope = scope;
 	ck.key = key;
 	ck.hash = idem_key_hash(scope, key);
-	return claim_one(&ck, payload, fname);
+	return claim_one(&ck, payload, fname, NULL);
 }
 
 /* Byte order of keys, for claiming a batch in a canonical order. */
@@ -865,7 +860,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	}
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
-	check_can_claim("idem_claim_many()");
+	check_can_claim("idem_claim_many()", "idem_claim_many", ck.scope);
 
 	order = palloc(sizeof(int) * Max(nelems, 1));
 	claimed = palloc0(sizeof(bool) * Max(nelems, 1));
@@ -927,8 +922,9 @@ idem_claimed(PG_FUNCTION_ARGS)
 	bool		covers;
 
 	claim_key_args(fcinfo, 0, &ck);
+	idem_capability_require("idem_claimed", IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE,
+							text_to_cstring(ck.scope));
 	set = idem_partition_set();
-	check_claims_privilege(set, ACL_SELECT, "look up claims");
 	claim_call_init(&call, false);
 	probe_set(&call, set, idem_target_partition(set, now, &covers), now,
 			  GetActiveSnapshot(), &ck, PROBE_ALL, &res);
@@ -953,7 +949,8 @@ idem_release(PG_FUNCTION_ARGS)
 	bool		released = false;
 
 	claim_key_args(fcinfo, 0, &ck);
-	check_claims_privilege(idem_partition_set(), ACL_DELETE, "release claims");
+	idem_capability_require("idem_release", IDEM_CAP_OPERATOR, IDEM_AXIS_SCOPE,
+							text_to_cstring(ck.scope));
 	PreventCommandIfReadOnly("idem_release()");
 
 	claim_call_init(&call, false);

@@ -52,6 +52,7 @@
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
+#include "executor/spi.h"
 
 PG_FUNCTION_INFO_V1(idem_relation_distrust_sql);
 
@@ -241,7 +242,7 @@ idem_check_members_owned(void)
 							IDEM_SCHEMA, quote_identifier(relname ? relname : "?")),
 					 errdetail("It is owned by role %s; maintenance acts as the extension's owner and does not write relations another role controls.",
 							   who ? quote_identifier(who) : "?"),
-					 errhint("Give it back with ALTER TABLE ... OWNER TO the extension's owner, and grant EXECUTE on idem_maintain() to the role that maintains instead.")));
+					 errhint("Give it back with ALTER TABLE ... OWNER TO the extension's owner, and grant the role that maintains the operator capability instead: SELECT idem_grant('role', 'operator').")));
 		}
 	}
 	systable_endscan(scan);
@@ -273,4 +274,24 @@ idem_unbecome_owner(IdemAsOwner *as)
 {
 	AtEOXact_GUC(true, as->nestlevel);
 	SetUserIdAndSecContext(as->save_userid, as->save_sec_context);
+}
+
+/*
+ * Connect to SPI as the extension's owner, for an API function that has
+ * checked the caller's capability and now works on our tables (see
+ * common/capabilities.c); idem_spi_finish_as_owner() undoes both, an
+ * error undoes both too.
+ */
+void
+idem_spi_connect_as_owner(IdemAsOwner *as)
+{
+	idem_become_owner(as);
+	SPI_connect();
+}
+
+void
+idem_spi_finish_as_owner(IdemAsOwner *as)
+{
+	SPI_finish();
+	idem_unbecome_owner(as);
 }

@@ -13,7 +13,9 @@
 #include "common/spi.h"
 
 #include "executor/spi.h"
+#include "lib/stringinfo.h"
 #include "utils/guc.h"
+#include "utils/memutils.h"
 
 /*
  * Pin search_path to pg_catalog while preparing or running internal SQL
@@ -64,16 +66,65 @@ idem_statement_plan(const IdemStatement *st, SPIPlanPtr *slot)
 }
 
 /*
+ * Rethrow the error being handled without our SQL text: no message or
+ * CONTEXT a user sees contains the internal statements (a lock timeout, a
+ * read-only transaction, a cancel would otherwise print SPI's "SQL
+ * statement ..." line).  cxt: the memory context to copy the error into.
+ */
+void
+idem_rethrow_without_sql(MemoryContext cxt, const char *sql)
+{
+	ErrorData  *edata;
+
+	MemoryContextSwitchTo(cxt);
+	edata = CopyErrorData();
+	FlushErrorState();
+	if (edata->context != NULL)
+	{
+		char	   *line = psprintf("SQL statement \"%s\"", sql);
+		char	   *at = strstr(edata->context, line);
+
+		if (at != NULL)
+		{
+			StringInfoData buf;
+			char	   *rest = at + strlen(line);
+
+			if (*rest == '\n')
+				rest++;
+			initStringInfo(&buf);
+			appendBinaryStringInfo(&buf, edata->context, at - edata->context);
+			appendStringInfoString(&buf, rest);
+			while (buf.len > 0 && buf.data[buf.len - 1] == '\n')
+				buf.data[--buf.len] = '\0';
+			edata->context = buf.len > 0 ? buf.data : NULL;
+		}
+	}
+	edata->internalquery = NULL;
+	edata->internalpos = 0;
+	ReThrowError(edata);
+}
+
+/*
  * Run one of those statements; nulls as SPI wants them (' ' or 'n'), NULL
  * for none.  Errors out unless SPI returns "expected"; returns the number
- * of rows processed.
+ * of rows processed.  An error inside does not show the statement.
  */
 uint64
 idem_statement_exec(const IdemStatement *st, SPIPlanPtr *slot, Datum *values,
 					const char *nulls, int expected)
 {
-	int			rc = SPI_execute_plan(idem_statement_plan(st, slot), values, nulls, false, 0);
+	MemoryContext cxt = CurrentMemoryContext;
+	volatile int rc = 0;
 
+	PG_TRY();
+	{
+		rc = SPI_execute_plan(idem_statement_plan(st, slot), values, nulls, false, 0);
+	}
+	PG_CATCH();
+	{
+		idem_rethrow_without_sql(cxt, st->sql);
+	}
+	PG_END_TRY();
 	if (rc != expected)
 		elog(ERROR, "SPI_execute_plan failed (%s): %s", SPI_result_code_string(rc), st->sql);
 	return SPI_processed;

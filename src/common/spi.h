@@ -22,6 +22,7 @@ extern struct _SPI_plan *idem_statement_plan(const IdemStatement *st, struct _SP
 extern uint64 idem_statement_exec(const IdemStatement *st, struct _SPI_plan **slot, Datum *values,
 								  const char *nulls, int expected);
 extern Datum idem_spi_col(uint64 row, int col, bool *isnull);
+extern void idem_rethrow_without_sql(MemoryContext cxt, const char *sql) pg_attribute_noreturn();
 extern void idem_spi_exec(const char *sql, int nargs, Oid *types, Datum *values, int expected);
 
 #endif							/* IDEM_COMMON_SPI_H */

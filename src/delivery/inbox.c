@@ -59,6 +59,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/rows.h"
 #include "claims/claims.h"
 #include "delivery/store.h"
@@ -138,10 +140,25 @@ typedef enum
 	ST_FAIL,
 	ST_EXTEND,
 	ST_REPLAY,
+	ST_SOURCES_OF,
+	ST_TOKEN_SOURCES,
 	NUM_STATEMENTS
 } InboxStatement;
 
 static const IdemStatement inbox_plans[NUM_STATEMENTS] = {
+	/* for a relay limited to some sources: the sources of messages */
+	[ST_SOURCES_OF] = {
+		"SELECT m.id, m.source FROM idempotency.inbox_messages m"
+		" WHERE m.bucket = $1 AND m.id = ANY ($2)",
+		2, {INT4OID, UUIDARRAYOID}
+	},
+	/* ... and of a live lease */
+	[ST_TOKEN_SOURCES] = {
+		"SELECT m.source FROM idempotency.inbox_messages m"
+		" WHERE m.done_at IS NULL AND m.dead_at IS NULL"
+		"   AND m.lease_token = $1 AND m.lease_until > $3",
+		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
 	/* a key that has received before: a plain (HOT) update of its counter */
 	[ST_NEXT_SEQ] = {
 		"UPDATE idempotency.inbox_sequences SET last_seq = last_seq + 1"
@@ -356,6 +373,7 @@ idem_inbox_receive(PG_FUNCTION_ARGS)
 	pg_uuid_t	id;
 	Datum		values[Natts_inbox_messages];
 	bool		nulls[Natts_inbox_messages] = {false};
+	IdemAsOwner as;
 
 	if (PG_ARGISNULL(1))
 		idem_null_argument("message_id");
@@ -367,6 +385,7 @@ idem_inbox_receive(PG_FUNCTION_ARGS)
 	headers = PG_ARGISNULL(3) ? idem_empty_object()
 		: idem_check_object(PG_GETARG_JSONB_P(3), "inbox message headers");
 	key = ordering_key(headers);
+	idem_capability_require("idem_inbox_receive", IDEM_CAP_HANDLER, IDEM_AXIS_SOURCE, source);
 
 	if (!idem_claim_key(cstring_to_text(psprintf(INBOX_SCOPE_PREFIX "%s", source)),
 						message_id, payload, "idem_inbox_receive()"))
@@ -374,12 +393,12 @@ idem_inbox_receive(PG_FUNCTION_ARGS)
 
 	txid = GetTopFullTransactionId();
 	ts = idem_row_time(txid);
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	rel = idem_store_open_target(IDEM_STORE_INBOX, ts, &bucket,
 								 message_column_names, Natts_inbox_messages);
 	if (key != NULL)
 		seq = next_seq(source, key);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 
 	idem_row_id(ts, bucket, txid, &id);
 	values[0] = UUIDPGetDatum(&id);
@@ -456,6 +475,7 @@ typedef struct LeaseCall
 	pg_uuid_t	token;
 	Datum		sources;		/* text[], or 0 */
 	bool		has_sources;
+	const IdemCapGrants *grants;	/* the relay's limits, or NULL */
 	ReturnSetInfo *rsinfo;
 	int			taken;			/* handed out so far */
 	/* what this round hands out */
@@ -590,6 +610,8 @@ lease_round(LeaseCall *c)
 	c->n = 0;
 	for (uint64 r = 0; r < got && c->taken + c->n < c->batch; r++)
 	{
+		if (!idem_capability_allows(c->grants, IDEM_AXIS_SOURCE, cands[r].source))
+			continue;			/* a relay limited by prefix: not its source */
 		if (cands[r].key != NULL)
 			take_run(c, &cands[r]);
 		else if (leasable(c, &cands[r]))
@@ -609,12 +631,34 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 {
 	LeaseCall		c = {0};
 	int64		lease;
-
+	IdemAsOwner as;
 	Datum	   *elems;
+	int			nsources = idem_lease_batch_args(fcinfo, &c.batch, &lease, "sources", &elems);
+	char	  **names;
 
-	if (idem_lease_batch_args(fcinfo, &c.batch, &lease, "sources", &elems) >= 0)
+	if (nsources >= 0)
 	{
 		c.sources = PG_GETARG_DATUM(2);
+		c.has_sources = true;
+	}
+
+	/*
+	 * A relay limited to some sources: asking for another is refused;
+	 * asking for none leases only its own (named in the statement when the
+	 * limits are exact names, else filtered here).
+	 */
+	c.grants = idem_capability_require_any("idem_inbox_claim", IDEM_CAP_RELAY);
+	for (int i = 0; i < nsources; i++)
+		idem_capability_check_value("idem_inbox_claim", IDEM_CAP_RELAY, c.grants,
+									IDEM_AXIS_SOURCE, TextDatumGetCString(elems[i]));
+	if (!c.has_sources &&
+		(nsources = idem_capability_exact_names(c.grants, IDEM_AXIS_SOURCE, &names)) >= 0)
+	{
+		Datum	   *d = palloc(sizeof(Datum) * Max(nsources, 1));
+
+		for (int i = 0; i < nsources; i++)
+			d[i] = CStringGetTextDatum(names[i]);
+		c.sources = idem_build_array(d, NULL, nsources, TEXTOID);
 		c.has_sources = true;
 	}
 	InitMaterializedSRF(fcinfo, 0);
@@ -623,7 +667,7 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 	c.until = c.now + lease;
 	idem_lease_token(&c.token);
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	for (int round = 0; round < INBOX_CLAIM_ROUNDS && c.taken < c.batch; round++)
 	{
 		int			before = c.taken;
@@ -631,7 +675,7 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 		if (!lease_round(&c) || c.taken == before)
 			break;
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	return (Datum) 0;
 }
 
@@ -652,6 +696,8 @@ idem_inbox_done(PG_FUNCTION_ARGS)
 	Datum	   *group;
 	TimestampTz now = idem_now();
 	uint64		marked = 0;
+	const IdemCapGrants *g = idem_capability_require_any("idem_inbox_done", IDEM_CAP_RELAY);
+	IdemAsOwner as;
 
 	if (n == 0)
 		PG_RETURN_INT32(0);
@@ -661,7 +707,7 @@ idem_inbox_done(PG_FUNCTION_ARGS)
 		if (!idem_row_id_parts(DatumGetUUIDP(ids[i]), NULL, &buckets[i], NULL))
 			buckets[i] = 0;		/* not a message id */
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	/* one statement per partition the ids name (usually one) */
 	for (int i = 0; i < n; i++)
 	{
@@ -679,6 +725,19 @@ idem_inbox_done(PG_FUNCTION_ARGS)
 				group[m++] = ids[j];
 		values[0] = Int32GetDatum(buckets[i]);
 		values[1] = idem_build_array(group, NULL, m, UUIDOID);
+		if (idem_capability_limited(g, IDEM_AXIS_SOURCE))
+		{
+			/* a limited relay: another source's message is as good as unknown */
+			uint64		got = inbox_exec(ST_SOURCES_OF, values, NULL, SPI_OK_SELECT);
+			bool		isnull;
+
+			m = 0;
+			for (uint64 r = 0; r < got; r++)
+				if (idem_capability_allows(g, IDEM_AXIS_SOURCE,
+										   TextDatumGetCString(idem_spi_col(r, 2, &isnull))))
+					group[m++] = idem_spi_col(r, 1, &isnull);
+			values[1] = idem_build_array(group, NULL, m, UUIDOID);
+		}
 		values[2] = TimestampTzGetDatum(now);
 		if (PG_ARGISNULL(1))
 		{
@@ -689,7 +748,7 @@ idem_inbox_done(PG_FUNCTION_ARGS)
 			values[3] = PG_GETARG_DATUM(1);
 		marked += inbox_exec(ST_DONE, values, nulls, SPI_OK_UPDATE);
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_INT32((int32) Min(marked, PG_INT32_MAX));
 }
 
@@ -714,17 +773,34 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 	int32		attempts;
 	bool		settled;
 	TimestampTz retry_at = 0;
+	const IdemCapGrants *g;
+	IdemAsOwner as;
 
 	idem_lease_fail_args(fcinfo, &id, &error, &retry_after);
+	g = idem_capability_require_any("idem_inbox_fail", IDEM_CAP_RELAY);
 	if (!idem_row_id_parts(id, NULL, &bucket, NULL))
 		PG_RETURN_VOID();		/* not a message id */
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	values[0] = Int32GetDatum(bucket);
+	if (idem_capability_limited(g, IDEM_AXIS_SOURCE))
+	{
+		/* a limited relay: another source's message is as good as unknown */
+		Datum		one = UUIDPGetDatum(id);
+
+		values[1] = idem_build_array(&one, NULL, 1, UUIDOID);
+		if (inbox_exec(ST_SOURCES_OF, values, NULL, SPI_OK_SELECT) != 1 ||
+			!idem_capability_allows(g, IDEM_AXIS_SOURCE,
+									TextDatumGetCString(idem_spi_col(0, 2, &isnull))))
+		{
+			idem_spi_finish_as_owner(&as);
+			PG_RETURN_VOID();
+		}
+	}
 	values[1] = UUIDPGetDatum(id);
 	if (inbox_exec(ST_LOCK_ONE, values, NULL, SPI_OK_SELECT) != 1)
 	{
-		SPI_finish();
+		idem_spi_finish_as_owner(&as);
 		PG_RETURN_VOID();		/* no such message (any more) */
 	}
 	attempts = DatumGetInt32(idem_spi_col(0, 1, &isnull));
@@ -755,7 +831,7 @@ idem_inbox_fail(PG_FUNCTION_ARGS)
 		}
 		(void) inbox_exec(ST_FAIL, values, nulls, SPI_OK_UPDATE);
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_VOID();
 }
 
@@ -770,11 +846,30 @@ idem_inbox_extend(PG_FUNCTION_ARGS)
 {
 	Datum		values[3];
 	uint64		n;
+	const IdemCapGrants *g;
+	IdemAsOwner as;
 
 	idem_lease_extend_args(fcinfo, values);
-	SPI_connect();
+	g = idem_capability_require_any("idem_inbox_extend", IDEM_CAP_RELAY);
+	idem_spi_connect_as_owner(&as);
+	/* a limited relay extends nothing if the lease holds another source */
+	if (idem_capability_limited(g, IDEM_AXIS_SOURCE))
+	{
+		n = inbox_exec(ST_TOKEN_SOURCES, values, NULL, SPI_OK_SELECT);
+		for (uint64 r = 0; r < n; r++)
+		{
+			bool		isnull;
+
+			if (!idem_capability_allows(g, IDEM_AXIS_SOURCE,
+										TextDatumGetCString(idem_spi_col(r, 1, &isnull))))
+			{
+				idem_spi_finish_as_owner(&as);
+				PG_RETURN_INT32(0);
+			}
+		}
+	}
 	n = inbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_INT32((int32) Min(n, PG_INT32_MAX));
 }
 
@@ -796,6 +891,7 @@ idem_inbox_replay(PG_FUNCTION_ARGS)
 	pg_uuid_t	hi;
 	Datum		values[5];
 	uint64		n;
+	IdemAsOwner as;
 
 	if (PG_ARGISNULL(1))
 		idem_null_argument("since");
@@ -809,14 +905,15 @@ idem_inbox_replay(PG_FUNCTION_ARGS)
 				 errmsg("since must not be later than until")));
 	idem_row_id_bound(since, &lo);
 	idem_row_id_bound(until, &hi);
+	idem_capability_require("idem_inbox_replay", IDEM_CAP_OPERATOR, IDEM_AXIS_SOURCE, source);
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	values[0] = CStringGetTextDatum(source);
 	values[1] = UUIDPGetDatum(&lo);
 	values[2] = UUIDPGetDatum(&hi);
 	values[3] = TimestampTzGetDatum(since);
 	values[4] = TimestampTzGetDatum(until);
 	n = inbox_exec(ST_REPLAY, values, NULL, SPI_OK_UPDATE);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_INT32((int32) Min(n, PG_INT32_MAX));
 }

@@ -411,6 +411,11 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		" RETURNING leased_seq - acked_seq",
 		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
 	},
+	[ST_LEASE_TYPES] = {
+		"SELECT aggregate_type FROM idempotency.outbox_deliveries"
+		" WHERE lease_token = $1 AND lease_until > $3",
+		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
 	[ST_FIND_DEAD] = {
 		"SELECT x.id, x.aggregate_type, x.aggregate_id, x.seq"
 		" FROM idempotency.outbox_dead_letters x WHERE x.id = ANY ($1)"

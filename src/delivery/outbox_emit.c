@@ -16,6 +16,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/rows.h"
 #include "delivery/store.h"
 #include "delivery/leases.h"
@@ -229,6 +231,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	int32		bucket;
 	Relation	rel = NULL;
 	FullTransactionId txid;
+	IdemAsOwner as;
 
 	ev.aggregate_type = idem_name_arg(fcinfo, 0, "aggregate_type", OUTBOX_MAX_TYPE_BYTES);
 	ev.aggregate_id = idem_name_arg(fcinfo, 1, "aggregate_id", IDEM_MAX_KEY_BYTES);
@@ -237,10 +240,11 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		idem_null_argument("payload");
 	ev.payload = PG_GETARG_JSONB_P(3);
 	ev.headers = PG_ARGISNULL(4) ? idem_empty_object() : idem_check_object(PG_GETARG_JSONB_P(4), "outbox event headers");
+	idem_capability_require("idem_outbox_emit", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, ev.aggregate_type);
 	txid = emitting_transaction();
 	ev.created_at = idem_row_time(txid);
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(ev.created_at, &bucket);
 	else
@@ -259,7 +263,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 
 		ev.seq = DatumGetInt64(idem_spi_col(0, 1, &isnull));
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	if (outbox_mode != MODE_WAL)
 		insert_events(rel, bucket, txid, &ev, 1);
 
@@ -312,6 +316,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	TimestampTz now = idem_row_time(txid);
 	int32		bucket;
 	Relation	rel = NULL;
+	IdemAsOwner as;
 
 	InitMaterializedSRF(fcinfo, 0);
 	n = idem_array_arg(fcinfo, 1, "aggregate_ids", TEXTOID, &ids);
@@ -321,16 +326,17 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("aggregate_ids, event_types, payloads and headers must have the same length")));
+	idem_capability_require("idem_outbox_emit_many", IDEM_CAP_HANDLER, IDEM_AXIS_TYPE, aggregate_type);
 	if (n == 0)
 		return (Datum) 0;
 
 	/* the events outlive SPI_finish(): made here, not in SPI's memory */
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	if (outbox_mode != MODE_WAL)
 		rel = open_target(now, &bucket);
 	else
 		bucket = idem_store_target(IDEM_STORE_OUTBOX, now, NULL, NULL);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	evs = palloc(sizeof(OutboxEvent) * n);
 	names = palloc(sizeof(char *) * n);
 	for (int i = 0; i < n; i++)
@@ -361,7 +367,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	}
 
 	next_seq = palloc(sizeof(int64) * nagg);
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	{
 		Datum		values[4];
 		Datum	   *name_datums = palloc(sizeof(Datum) * nagg);
@@ -389,7 +395,7 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	for (int i = 0; i < n; i++)
 		evs[i].seq = next_seq[sorted_index(names, nagg, evs[i].aggregate_id)]++;
 
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	if (outbox_mode != MODE_WAL)
 		insert_events(rel, bucket, txid, evs, n);
 

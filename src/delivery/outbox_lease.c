@@ -15,6 +15,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/rows.h"
 #include "delivery/store.h"
 #include "delivery/leases.h"
@@ -69,12 +71,15 @@ typedef struct LeaseCall
 	bool		has_types;
 	char	  **type_names;
 	int			ntype_names;
+	const IdemCapGrants *grants;	/* the relay's limits, or NULL */
 	ReturnSetInfo *rsinfo;
 } LeaseCall;
 
 static bool
 type_wanted(LeaseCall *c, const char *type)
 {
+	if (!idem_capability_allows(c->grants, IDEM_AXIS_TYPE, type))
+		return false;
 	if (!c->has_types)
 		return true;
 	for (int i = 0; i < c->ntype_names; i++)
@@ -255,6 +260,8 @@ lease_parked(LeaseCall *c, OutboxStatement st)
 	ds = outbox_read_deliveries(n);
 	for (int i = 0; i < n && c->taken < c->batch; i++)
 	{
+		if (!type_wanted(c, ds[i].aggregate_type))
+			continue;			/* a relay limited by prefix: not its type */
 		take_run(c, &ds[i], NULL, 0);
 		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= ds[i].last_seq)
 			ds[i].unpark = true;
@@ -653,6 +660,7 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 {
 	LeaseCall		c = {0};
 	int64		lease;
+	IdemAsOwner as;
 
 	Datum	   *elems;
 
@@ -665,19 +673,39 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 		c.types = PG_GETARG_DATUM(2);
 		c.has_types = true;
 	}
+
+	/*
+	 * A relay limited to some aggregate types: asking for another is
+	 * refused; asking for none leases only its own (named in the statements
+	 * when the limits are exact names, else filtered here).
+	 */
+	c.grants = idem_capability_require_any("idem_outbox_claim", IDEM_CAP_RELAY);
+	for (int i = 0; i < c.ntype_names; i++)
+		idem_capability_check_value("idem_outbox_claim", IDEM_CAP_RELAY, c.grants,
+									IDEM_AXIS_TYPE, c.type_names[i]);
+	if (!c.has_types && (c.ntype_names = idem_capability_exact_names(c.grants, IDEM_AXIS_TYPE,
+																	 &c.type_names)) >= 0)
+	{
+		Datum	   *names = palloc(sizeof(Datum) * Max(c.ntype_names, 1));
+
+		for (int i = 0; i < c.ntype_names; i++)
+			names[i] = CStringGetTextDatum(c.type_names[i]);
+		c.types = idem_build_array(names, NULL, c.ntype_names, TEXTOID);
+		c.has_types = true;
+	}
 	InitMaterializedSRF(fcinfo, 0);
 	c.rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	c.now = idem_now();
 	c.until = c.now + lease;
 	idem_lease_token(&c.token);
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	lease_parked(&c, ST_PARKED_DUE);
 	if (outbox_dead_policy == DEAD_SKIP && c.taken < c.batch)
 		lease_parked(&c, ST_PARKED_DEAD);
 	if (c.taken < c.batch)
 		lease_by_cursor(&c);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	return (Datum) 0;
 }
 

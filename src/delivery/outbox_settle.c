@@ -15,6 +15,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/rows.h"
 #include "delivery/store.h"
 #include "delivery/leases.h"
@@ -74,9 +76,14 @@ found_event_cmp(const void *a, const void *b)
 	return c;
 }
 
-/* The events with these ids, sorted by aggregate and seq; unknown ids are left out. */
+/*
+ * The events with these ids, sorted by aggregate and seq; unknown ids are
+ * left out, and so are events of aggregate types that g (the caller's
+ * limits, NULL for none) does not allow: to a limited relay, another
+ * type's event is as good as unknown.
+ */
 static FoundEvent *
-find_events(Datum *ids, int n, int *nfound)
+find_events(Datum *ids, int n, int *nfound, const IdemCapGrants *g)
 {
 	int32	   *buckets = palloc(sizeof(int32) * n);
 	FullTransactionId *txids = palloc(sizeof(FullTransactionId) * n);
@@ -121,12 +128,15 @@ find_events(Datum *ids, int n, int *nfound)
 		}
 		for (uint64 r = 0; r < got; r++)
 		{
-			FoundEvent *f = &found[(*nfound)++];
+			FoundEvent *f = &found[*nfound];
 			bool		isnull;
 
 			f->aggregate_type = TextDatumGetCString(idem_spi_col(r, 1, &isnull));
+			if (!idem_capability_allows(g, IDEM_AXIS_TYPE, f->aggregate_type))
+				continue;
 			f->aggregate_id = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
 			f->seq = DatumGetInt64(idem_spi_col(r, 3, &isnull));
+			(*nfound)++;
 		}
 	}
 	if (*nfound > 1)
@@ -199,11 +209,13 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 	Delivery   *ds;
 	int			nlocked;
 	int			marked = 0;
+	const IdemCapGrants *g = idem_capability_require_any("idem_outbox_ack", IDEM_CAP_RELAY);
+	IdemAsOwner as;
 
 	if (n == 0)
 		PG_RETURN_INT32(0);
-	SPI_connect();
-	found = find_events(ids, n, &nfound);
+	idem_spi_connect_as_owner(&as);
+	found = find_events(ids, n, &nfound, g);
 	nagg = distinct_aggregates(found, nfound, &types, &aggs);
 	if (!fenced)
 		outbox_ensure_deliveries(types, aggs, nagg);
@@ -235,7 +247,7 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 		}
 	}
 	outbox_write_deliveries(ds, nlocked, now);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_INT32(marked);
 }
 
@@ -252,15 +264,18 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	int			nfound;
 	Delivery   *d;
 	int			nlocked;
+	const IdemCapGrants *g;
+	IdemAsOwner as;
 
 	idem_lease_fail_args(fcinfo, &id, &error, &retry_after);
+	g = idem_capability_require_any("idem_outbox_nack", IDEM_CAP_RELAY);
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	idd = UUIDPGetDatum(id);
-	found = find_events(&idd, 1, &nfound);
+	found = find_events(&idd, 1, &nfound, g);
 	if (nfound == 0)
 	{
-		SPI_finish();
+		idem_spi_finish_as_owner(&as);
 		PG_RETURN_VOID();		/* not an event (any more): nothing to retry */
 	}
 	if (!fenced)
@@ -290,7 +305,7 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 		}
 		outbox_write_deliveries(d, 1, now);
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_VOID();
 }
 
@@ -300,9 +315,29 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 	Datum		values[3];
 	uint64		n;
 	int64		covered = 0;
+	const IdemCapGrants *g;
+	IdemAsOwner as;
 
 	idem_lease_extend_args(fcinfo, values);
-	SPI_connect();
+	g = idem_capability_require_any("idem_outbox_extend", IDEM_CAP_RELAY);
+	idem_spi_connect_as_owner(&as);
+
+	/* a limited relay extends nothing if the lease holds another type */
+	if (idem_capability_limited(g, IDEM_AXIS_TYPE))
+	{
+		n = outbox_exec(ST_LEASE_TYPES, values, NULL, SPI_OK_SELECT);
+		for (uint64 r = 0; r < n; r++)
+		{
+			bool		isnull;
+
+			if (!idem_capability_allows(g, IDEM_AXIS_TYPE,
+										TextDatumGetCString(idem_spi_col(r, 1, &isnull))))
+			{
+				idem_spi_finish_as_owner(&as);
+				PG_RETURN_INT32(0);
+			}
+		}
+	}
 	n = outbox_exec(ST_EXTEND, values, NULL, SPI_OK_UPDATE_RETURNING);
 	for (uint64 r = 0; r < n; r++)
 	{
@@ -312,7 +347,7 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 		if (!isnull)
 			covered += DatumGetInt64(v);
 	}
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_INT32((int32) Min(covered, PG_INT32_MAX));
 }
 
@@ -326,7 +361,7 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 typedef void (*DeadLetterAction) (Delivery *d, int64 *seqs, int nseqs, TimestampTz now);
 
 static int
-settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
+settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn, const char *fname)
 {
 	Datum	   *ids;
 	int			n = idem_array_arg(fcinfo, 0, "ids", UUIDOID, &ids);
@@ -340,22 +375,34 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 	Delivery   *ds;
 	int			nlocked;
 	TimestampTz now = idem_now();
+	const IdemCapGrants *g = idem_capability_require_any(fname, IDEM_CAP_OPERATOR);
+	IdemAsOwner as;
+	Datum	   *mine;
+	uint64		nmine = 0;
 
 	if (n == 0)
 		return 0;
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	arr = idem_build_array(ids, NULL, n, UUIDOID);
 	got = outbox_exec(ST_FIND_DEAD, &arr, NULL, SPI_OK_SELECT);
 	found = palloc(sizeof(FoundEvent) * Max(got, 1));
 	seqs = palloc(sizeof(int64) * Max(got, 1));
+	mine = palloc(sizeof(Datum) * Max(got, 1));
+	/* an operator limited to some aggregate types settles only theirs */
 	for (uint64 r = 0; r < got; r++)
 	{
 		bool		isnull;
+		FoundEvent *f = &found[nmine];
 
-		found[r].aggregate_type = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
-		found[r].aggregate_id = TextDatumGetCString(idem_spi_col(r, 3, &isnull));
-		found[r].seq = DatumGetInt64(idem_spi_col(r, 4, &isnull));
+		f->aggregate_type = TextDatumGetCString(idem_spi_col(r, 2, &isnull));
+		if (!idem_capability_allows(g, IDEM_AXIS_TYPE, f->aggregate_type))
+			continue;
+		f->aggregate_id = TextDatumGetCString(idem_spi_col(r, 3, &isnull));
+		f->seq = DatumGetInt64(idem_spi_col(r, 4, &isnull));
+		mine[nmine++] = idem_spi_col(r, 1, &isnull);
 	}
+	got = nmine;
+	arr = idem_build_array(mine, NULL, (int) nmine, UUIDOID);
 	nagg = distinct_aggregates(found, (int) got, &types, &aggs);
 	outbox_ensure_deliveries(types, aggs, nagg);
 	ds = outbox_lock_deliveries(types, aggs, nagg, &nlocked);
@@ -374,7 +421,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn)
 	}
 	outbox_write_deliveries(ds, nlocked, now);
 	(void) outbox_exec(ST_DELETE_DEAD, &arr, NULL, SPI_OK_DELETE);
-	SPI_finish();
+	idem_spi_finish_as_owner(&as);
 	return (int) got;
 }
 
@@ -444,11 +491,11 @@ discard_aggregate(Delivery *d, int64 *seqs, int nseqs, TimestampTz now)
 Datum
 idem_outbox_redrive(PG_FUNCTION_ARGS)
 {
-	PG_RETURN_INT32(settle_dead_letters(fcinfo, redrive_aggregate));
+	PG_RETURN_INT32(settle_dead_letters(fcinfo, redrive_aggregate, "idem_outbox_redrive"));
 }
 
 Datum
 idem_outbox_discard(PG_FUNCTION_ARGS)
 {
-	PG_RETURN_INT32(settle_dead_letters(fcinfo, discard_aggregate));
+	PG_RETURN_INT32(settle_dead_letters(fcinfo, discard_aggregate, "idem_outbox_discard"));
 }

@@ -16,6 +16,15 @@
  * every call that acts for an attempt checks it is still current (IK003 if
  * not), and it never repeats for a key, not even after abandon().
  *
+ * Responses.  complete() stores the body once, as jsonb ("response") or as
+ * text ("response_body"), with the status and the headers (checked, names
+ * lower-cased), and returns what it stored as begin() replays it: the body
+ * text is the text stored or the jsonb's canonical text, so the first
+ * answer and every replay are the same bytes.  With on_conflict 'return',
+ * begin() gives a live holder back as the row 'in_progress' instead of
+ * IK002: it then runs in a subtransaction that it rolls back, so that it
+ * leaves nothing behind, not even the claim it may have made.
+ *
  * A request and its claim live and leave together: a key has at most one
  * row, and a claim that is new (the key's earlier claim expired or was
  * released while its row stayed, their partitions being dropped apart) makes
@@ -47,6 +56,9 @@
  *	  and then finds, or the holder finds, that the attempt moved on.
  *	- begin() with "wait" polls the row (a live lease is not a lock; the
  *	  holder may be between transactions), sleeping on its latch.
+ *	- begin() with on_conflict 'return' takes these locks in its
+ *	  subtransaction: rolled back (in_progress), it releases them at once;
+ *	  otherwise they pass to the caller's transaction, as without it.
  *
  *-------------------------------------------------------------------------
  */
@@ -55,6 +67,8 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
+#include "common/ownership.h"
 #include "common/keys.h"
 #include "common/rows.h"
 #include "stats/stats.h"
@@ -69,6 +83,7 @@
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "utils/lsyscache.h"
 #include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
@@ -92,10 +107,11 @@ PG_FUNCTION_INFO_V1(idem_request_abandon);
 #define WAIT_MAX_MS		100
 
 /* columns of idempotency.requests and its partitions, in order */
-#define Natts_requests	13
+#define Natts_requests	15
 static const char *const request_columns[Natts_requests] = {
 	"scope", "key", "digest", "status", "attempt", "lease_until", "recovery_point",
-	"state", "response", "response_status", "created_at", "updated_at", "bucket"
+	"state", "response", "response_status", "response_body", "response_headers",
+	"created_at", "updated_at", "bucket"
 };
 
 typedef enum RequestStatement
@@ -112,7 +128,8 @@ typedef enum RequestStatement
 } RequestStatement;
 
 #define ROW_COLUMNS \
-	"status, attempt, lease_until, digest, recovery_point, state, response, response_status, bucket"
+	"status, attempt, lease_until, digest, recovery_point, state, response, response_status," \
+	" bucket, response_body, response_headers"
 #define FIND_ROW \
 	"SELECT " ROW_COLUMNS " FROM idempotency.requests WHERE scope = $1 AND key = $2"
 #define WHERE_HELD \
@@ -139,7 +156,8 @@ static const IdemStatement request_plans[NUM_STATEMENTS] = {
 	[ST_RESTART] = {
 		"UPDATE idempotency.requests SET status = 'started', attempt = attempt + 1,"
 		"       lease_until = $7, updated_at = $6, digest = $8, created_at = coalesce($9, created_at),"
-		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL"
+		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL,"
+		"       response_body = NULL, response_headers = NULL"
 		WHERE_AS_SEEN RETURN_ROW,
 		9, {AS_SEEN_TYPES, TIMESTAMPTZOID, BYTEAOID, TIMESTAMPTZOID}},
 	[ST_CHECKPOINT] = {
@@ -151,14 +169,15 @@ static const IdemStatement request_plans[NUM_STATEMENTS] = {
 		5, {TEXTOID, TEXTOID, INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID}},
 	[ST_COMPLETE] = {
 		"UPDATE idempotency.requests SET status = 'completed', lease_until = NULL,"
-		"       response = $4, response_status = $5, updated_at = $6"
+		"       response = $4, response_status = $5, updated_at = $6,"
+		"       response_body = $7, response_headers = $8"
 		" WHERE scope = $1 AND key = $2 AND status = 'started'"
 		"   AND ($3 IS NULL OR attempt = $3)",
-		6, {TEXTOID, TEXTOID, INT4OID, JSONBOID, INT4OID, TIMESTAMPTZOID}},
+		8, {TEXTOID, TEXTOID, INT4OID, JSONBOID, INT4OID, TIMESTAMPTZOID, TEXTOID, JSONBOID}},
 	[ST_ABANDON] = {
 		"UPDATE idempotency.requests SET status = 'abandoned', lease_until = NULL,"
 		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL,"
-		"       updated_at = $4"
+		"       response_body = NULL, response_headers = NULL, updated_at = $4"
 		" WHERE scope = $1 AND key = $2 AND ($3 IS NULL OR attempt = $3)",
 		4, {TEXTOID, TEXTOID, INT4OID, TIMESTAMPTZOID}},
 };
@@ -179,13 +198,22 @@ request_exec(RequestStatement st, Datum *values, const char *nulls, int expected
 static uint64
 request_exec_fresh(RequestStatement st, Datum *values, const char *nulls, int expected)
 {
-	int			rc;
+	MemoryContext cxt = CurrentMemoryContext;
+	volatile int rc = 0;
 
 	if (!IsolationUsesXactSnapshot())
 		return request_exec(st, values, nulls, expected);
-	rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
-							  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
-							  false, false, 0);
+	PG_TRY();
+	{
+		rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
+								  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
+								  false, false, 0);
+	}
+	PG_CATCH();
+	{
+		idem_rethrow_without_sql(cxt, request_plans[st].sql);	/* no SQL text shown */
+	}
+	PG_END_TRY();
 	if (rc != expected)
 		elog(ERROR, "SPI_execute_snapshot failed (%s): %s",
 			 SPI_result_code_string(rc), request_plans[st].sql);
@@ -218,6 +246,8 @@ request_key_args(FunctionCallInfo fcinfo, RequestKey *rk)
 	rk->key_str = text_to_cstring(rk->key);
 	rk->scope_str = text_to_cstring(rk->scope);
 	rk->claim_scope = cstring_to_text(psprintf("%s%s", REQUEST_SCOPE_PREFIX, rk->scope_str));
+	idem_capability_require(get_func_name(fcinfo->flinfo->fn_oid), IDEM_CAP_HANDLER,
+							IDEM_AXIS_SCOPE, rk->scope_str);
 }
 
 /* A required attempt argument: NULL is 22004, below 1 is 22023. */
@@ -282,7 +312,21 @@ typedef struct RequestRow
 	Datum		response_status;
 	bool		response_status_null;
 	int32		bucket;			/* the partition it is in */
+	Datum		response_body;	/* stored only when given as text */
+	bool		response_body_null;
+	Datum		response_headers;
+	bool		response_headers_null;
 } RequestRow;
+
+/*
+ * A column's value out of SPI's memory, detoasted (a stored response may be
+ * large: what begin() returns must not point into the table).
+ */
+static Datum
+transfer(Datum d)
+{
+	return SPI_datumTransfer(PointerGetDatum(PG_DETOAST_DATUM_PACKED(d)), false, -1);
+}
 
 /* Read the first row of SPI's result (in ROW_COLUMNS' order) into row. */
 static void
@@ -316,15 +360,29 @@ read_row(RequestRow *row)
 	/* SPI_getbinval's datums live in SPI's memory: copy what is returned */
 	row->recovery_point = SPI_getbinval(tup, desc, 5, &row->recovery_point_null);
 	if (!row->recovery_point_null)
-		row->recovery_point = SPI_datumTransfer(row->recovery_point, false, -1);
+		row->recovery_point = transfer(row->recovery_point);
 	row->state = SPI_getbinval(tup, desc, 6, &row->state_null);
 	if (!row->state_null)
-		row->state = SPI_datumTransfer(row->state, false, -1);
+		row->state = transfer(row->state);
 	row->response = SPI_getbinval(tup, desc, 7, &row->response_null);
 	if (!row->response_null)
-		row->response = SPI_datumTransfer(row->response, false, -1);
+		row->response = transfer(row->response);
 	row->response_status = SPI_getbinval(tup, desc, 8, &row->response_status_null);
 	row->bucket = DatumGetInt32(SPI_getbinval(tup, desc, 9, &isnull));
+	row->response_body = SPI_getbinval(tup, desc, 10, &row->response_body_null);
+	if (!row->response_body_null)
+		row->response_body = transfer(row->response_body);
+	row->response_headers = SPI_getbinval(tup, desc, 11, &row->response_headers_null);
+	if (!row->response_headers_null)
+		row->response_headers = transfer(row->response_headers);
+}
+
+/* A row as begin() returns it when it holds the key: no response. */
+static void
+no_response(RequestRow *row)
+{
+	row->response_null = row->response_status_null = true;
+	row->response_body_null = row->response_headers_null = true;
 }
 
 /* The key's row as it is now (see request_exec_fresh). */
@@ -416,10 +474,11 @@ insert_row(RequestKey *rk, bytea *digest, TimestampTz now, TimestampTz lease_unt
 	values[3] = CStringGetTextDatum("started");
 	values[4] = Int32GetDatum(1);
 	values[5] = TimestampTzGetDatum(lease_until);
-	nulls[6] = nulls[7] = nulls[8] = nulls[9] = true;
-	values[10] = TimestampTzGetDatum(now);
-	values[11] = TimestampTzGetDatum(now);
-	values[12] = Int32GetDatum(bucket);
+	for (int i = 6; i <= 11; i++)
+		nulls[i] = true;		/* recovery point to response_headers */
+	values[12] = TimestampTzGetDatum(now);
+	values[13] = TimestampTzGetDatum(now);
+	values[14] = Int32GetDatum(bucket);
 	idem_open_insert_indexes(rel, &ins, "requests partition");
 	idem_insert_row(&ins, values, nulls, InvalidOid);
 	idem_close_insert_indexes(&ins);
@@ -448,18 +507,24 @@ key_reused(RequestKey *rk)
 			 errhint("Use a new key for a new request.")));
 }
 
+/*
+ * IK002: another attempt's lease is live for "left" microseconds.  The hint
+ * has the whole seconds a client waits (Retry-After), rounded up.
+ */
 static void
-in_progress(RequestKey *rk, RequestRow *row, TimestampTz now)
+in_progress(RequestKey *rk, int32 attempt, int64 left)
 {
-	int64		left = row->lease_until - now;
+	int64		secs = (left + USECS_PER_SEC - 1) / USECS_PER_SEC;
 
 	idem_stats_count_scope(rk->claim_scope, IDEM_STAT_REQUESTS_CONFLICTED, 1);
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_REQUEST_IN_PROGRESS),
 			 errmsg("request \"%s\" in scope \"%s\" is in progress", rk->key_str, rk->scope_str),
 			 errdetail("The lease of attempt %d ends in %.3f seconds.",
-					   row->attempt, (double) left / USECS_PER_SEC),
-			 errhint("Retry after the lease ends, or begin with a wait.")));
+					   attempt, (double) left / USECS_PER_SEC),
+			 errhint_plural("Retry after %lld second, or begin with a wait.",
+							"Retry after %lld seconds, or begin with a wait.",
+							(unsigned long) secs, (long long) secs)));
 }
 
 /* Sleep ms milliseconds on the latch (interruptible). */
@@ -497,7 +562,7 @@ begin_fresh(RequestKey *rk, bytea *digest, int64 lease, RequestRow *out)
 	out->status = REQ_STARTED;
 	out->attempt = 1;
 	out->recovery_point_null = out->state_null = true;
-	out->response_null = out->response_status_null = true;
+	no_response(out);
 }
 
 /*
@@ -533,16 +598,19 @@ next_attempt(RequestKey *rk, RequestRow *seen, RequestStatement st, bytea *diges
 		return false;
 	}
 	read_row(out);
-	out->response_null = out->response_status_null = true;
+	no_response(out);
 	return true;
 }
 
 /*
- * The outcome of begin(): fills row with what it returns.  The caller is
- * connected to SPI.
+ * The outcome of begin(): fills row with what it returns, and returns true.
+ * A live lease after the wait is IK002, or with on_conflict 'return'
+ * (give_back) false, with the lease the holder has left in *left.  The
+ * caller is connected to SPI.
  */
-static void
-begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRow *out)
+static bool
+begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, bool give_back,
+			  RequestRow *out, int64 *left)
 {
 	bytea	   *digest = NULL;
 	TimestampTz deadline = GetCurrentTimestamp() + wait;
@@ -577,14 +645,14 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 				continue;		/* and look again */
 			}
 			begin_fresh(rk, digest, lease, out);
-			return;
+			return true;
 		}
 		live = row.status == REQ_STARTED && row.lease_until > now;
 		if (claimed && !live)
 		{
 			/* what is left of an expired request: start afresh in its row */
 			if (next_attempt(rk, &row, ST_RESTART, digest, true, now, lease, out))
-				return;
+				return true;
 			continue;
 		}
 		if (row.status != REQ_ABANDONED && !same_payload(row.digest, digest))
@@ -592,14 +660,19 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 		if (row.status == REQ_COMPLETED)
 		{
 			*out = row;
-			return;
+			return true;
 		}
 		if (live)
 		{
 			TimestampTz clock = GetCurrentTimestamp();
 
 			if (clock >= deadline)
-				in_progress(rk, &row, now);
+			{
+				if (!give_back)
+					in_progress(rk, row.attempt, row.lease_until - now);
+				*left = row.lease_until - now;
+				return false;
+			}
 			nap(Min(pause, (deadline - clock + 999) / 1000));
 			pause = Min(pause * 2, WAIT_MAX_MS);
 			continue;
@@ -612,13 +685,76 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, RequestRo
 		 */
 		if (next_attempt(rk, &row, row.status == REQ_ABANDONED ? ST_RESTART : ST_TAKE_OVER,
 						 digest, false, now, lease, out))
-			return;
+			return true;
 	}
 }
 
+/*---- what begin() and complete() return ----*/
+
+/* the columns both return, in the order of complete()'s */
+typedef struct ResponseColumns
+{
+	Datum		values[6];		/* status, response, response_status, response_body, */
+	bool		nulls[6];		/* response_headers, replayed */
+} ResponseColumns;
+
 /*
- * idem_request_begin(key, scope, payload, lease, wait)
- *	  RETURNS TABLE(status, response, response_status, attempt, recovery_point, state)
+ * The columns of a stored response (row) as they are returned: the body is
+ * the text stored, or the canonical text of the jsonb stored, so that a
+ * handler that sends response_body sends the same bytes every time.
+ */
+static void
+response_columns(const char *status, RequestRow *row, bool replayed, ResponseColumns *rc)
+{
+	rc->values[0] = CStringGetTextDatum(status);
+	rc->nulls[0] = false;
+	rc->values[1] = row->response;
+	rc->nulls[1] = row->response_null;
+	rc->values[2] = row->response_status;
+	rc->nulls[2] = row->response_status_null;
+	rc->values[3] = row->response_body;
+	rc->nulls[3] = row->response_body_null;
+	if (rc->nulls[3] && !row->response_null)
+	{
+		Jsonb	   *j = DatumGetJsonbP(row->response);
+
+		rc->values[3] = CStringGetTextDatum(JsonbToCString(NULL, &j->root, VARSIZE(j)));
+		rc->nulls[3] = false;
+	}
+	rc->values[4] = row->response_headers;
+	rc->nulls[4] = row->response_headers_null;
+	rc->values[5] = BoolGetDatum(replayed);
+	rc->nulls[5] = false;
+}
+
+/* on_conflict of begin(): true for 'return', false for 'error' */
+static bool
+on_conflict_arg(FunctionCallInfo fcinfo, int argno)
+{
+	char	   *v;
+
+	if (PG_ARGISNULL(argno))
+		idem_null_argument("on_conflict");
+	v = text_to_cstring(PG_GETARG_TEXT_PP(argno));
+	if (strcmp(v, "return") == 0)
+		return true;
+	if (strcmp(v, "error") != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("invalid value for on_conflict: \"%s\"", v),
+				 errhint("Use 'error' or 'return'.")));
+	return false;
+}
+
+/*
+ * idem_request_begin(key, scope, payload, lease, wait, on_conflict)
+ *	  RETURNS TABLE(status, response, response_status, attempt, recovery_point,
+ *					state, retry_after, replayed, response_body, response_headers)
+ *
+ * With on_conflict 'return', a live lease after the wait is the row
+ * 'in_progress' with retry_after, instead of IK002; the begin runs in a
+ * subtransaction that is then rolled back, so that it leaves nothing (not
+ * the claim it may have made: IK002 would have rolled that back too).
  */
 Datum
 idem_request_begin(PG_FUNCTION_ARGS)
@@ -628,37 +764,103 @@ idem_request_begin(PG_FUNCTION_ARGS)
 	Jsonb	   *payload = PG_ARGISNULL(2) ? NULL : PG_GETARG_JSONB_P(2);
 	int64		lease;
 	int64		wait;
+	bool		give_back;
+	bool		held_by_other = false;
+	int64		left = 0;
 	RequestRow	row;
-	Datum		values[6];
-	bool		nulls[6] = {false};
-	int			nestlevel;
+	ResponseColumns rc;
+	Datum		values[10];
+	bool		nulls[10] = {false};
+	MemoryContext cxt = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	IdemAsOwner as;
 
 	request_key_args(fcinfo, &rk);
 	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
 	if (PG_ARGISNULL(4))
 		idem_null_argument("wait");
 	wait = idem_retry_after_arg(fcinfo, 4, "wait");
+	give_back = on_conflict_arg(fcinfo, 5);
 	PreventCommandIfReadOnly("idem_request_begin()");
 	InitMaterializedSRF(fcinfo, 0);
 
-	nestlevel = idem_pin_search_path();
-	SPI_connect();
-	begin_request(&rk, payload, lease, wait, &row);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	if (give_back)
+	{
+		BeginInternalSubTransaction(NULL);
+		MemoryContextSwitchTo(cxt);
+	}
+	PG_TRY();
+	{
+		idem_spi_connect_as_owner(&as);
+		held_by_other = !begin_request(&rk, payload, lease, wait, give_back, &row, &left);
+		idem_spi_finish_as_owner(&as);
+	}
+	PG_CATCH();
+	{
+		if (give_back)
+		{
+			/* end the subtransaction as the error would have, and rethrow */
+			ErrorData  *edata;
+
+			MemoryContextSwitchTo(cxt);
+			edata = CopyErrorData();
+			FlushErrorState();
+			RollbackAndReleaseCurrentSubTransaction();
+			MemoryContextSwitchTo(cxt);
+			CurrentResourceOwner = owner;
+			ReThrowError(edata);
+		}
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	if (give_back)
+	{
+		if (held_by_other)
+			RollbackAndReleaseCurrentSubTransaction();
+		else
+			ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(cxt);
+		CurrentResourceOwner = owner;
+	}
+
+	if (held_by_other)
+	{
+		Interval   *iv = palloc0(sizeof(Interval));
+
+		/* counted here, in the caller's (sub)transaction */
+		idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_CONFLICTED, 1);
+		iv->time = left;
+		values[0] = CStringGetTextDatum("in_progress");
+		for (int i = 1; i < 10; i++)
+			nulls[i] = true;
+		values[6] = IntervalPGetDatum(iv);
+		nulls[6] = false;
+		values[7] = BoolGetDatum(false);
+		nulls[7] = false;
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+		return (Datum) 0;
+	}
 	if (row.status != REQ_COMPLETED)
 		idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_STARTED, 1);
 
-	values[0] = CStringGetTextDatum(row.status == REQ_COMPLETED ? "completed" : "started");
-	values[1] = row.response;
-	nulls[1] = row.response_null;
-	values[2] = row.response_status;
-	nulls[2] = row.response_status_null;
+	response_columns(row.status == REQ_COMPLETED ? "completed" : "started", &row,
+					 row.status == REQ_COMPLETED, &rc);
+	values[0] = rc.values[0];
+	values[1] = rc.values[1];
+	nulls[1] = rc.nulls[1];
+	values[2] = rc.values[2];
+	nulls[2] = rc.nulls[2];
 	values[3] = Int32GetDatum(row.attempt);
 	values[4] = row.recovery_point;
 	nulls[4] = row.recovery_point_null;
 	values[5] = row.state;
 	nulls[5] = row.state_null;
+	nulls[6] = true;			/* retry_after */
+	values[7] = rc.values[5];	/* replayed */
+	values[8] = rc.values[3];	/* response_body */
+	nulls[8] = rc.nulls[3];
+	values[9] = rc.values[4];	/* response_headers */
+	nulls[9] = rc.nulls[4];
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	return (Datum) 0;
 }
@@ -673,17 +875,16 @@ static void
 holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null,
 			  Datum *values, char *nulls)
 {
-	int			nestlevel = idem_pin_search_path();
+	IdemAsOwner as;
 
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	values[0] = PointerGetDatum(rk->scope);
 	values[1] = PointerGetDatum(rk->key);
 	values[2] = Int32GetDatum(attempt);
 	nulls[2] = attempt_null ? 'n' : ' ';
 	if (request_exec(st, values, nulls, SPI_OK_UPDATE) == 0)
 		holder_missed(st, rk, attempt, attempt_null);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_spi_finish_as_owner(&as);
 }
 
 /* idem_request_checkpoint(key, scope, attempt, recovery_point, state) */
@@ -721,18 +922,16 @@ idem_request_fence(PG_FUNCTION_ARGS)
 	RequestKey	rk;
 	int32		attempt;
 	RequestRow	row;
-	int			nestlevel;
+	IdemAsOwner as;
 
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
 	PreventCommandIfReadOnly("idem_request_fence()");
-	nestlevel = idem_pin_search_path();
-	SPI_connect();
+	idem_spi_connect_as_owner(&as);
 	share_row(&rk, &row);
 	if (row.status != REQ_STARTED || row.attempt != attempt)
 		holder_missed(ST_FIND_FOR_SHARE, &rk, attempt, false);
-	SPI_finish();
-	AtEOXact_GUC(true, nestlevel);
+	idem_spi_finish_as_owner(&as);
 	PG_RETURN_VOID();
 }
 
@@ -756,14 +955,140 @@ idem_request_extend(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
-/* idem_request_complete(key, scope, response, attempt, response_status) */
+/*---- stored response headers ----*/
+
+/* A header name is an HTTP token (RFC 9110, section 5.6.2). */
+static bool
+is_token_char(unsigned char c)
+{
+	return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+		strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+static void
+bad_headers(const char *detail)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("invalid response_headers"),
+			 errdetail("%s", detail),
+			 errhint("Give an object whose keys are header names and whose values are strings or arrays of strings, such as {\"content-type\": \"application/json\"}.")));
+}
+
+/* A header value (one field line's): no control characters but tab. */
+static void
+check_header_value(const char *name, JsonbValue *v)
+{
+	if (v->type != jbvString)
+		bad_headers(psprintf("The value of header \"%s\" is not a string or an array of strings.", name));
+	for (int i = 0; i < v->val.string.len; i++)
+	{
+		unsigned char c = (unsigned char) v->val.string.val[i];
+
+		if ((c < 0x20 && c != '\t') || c == 0x7f)
+			bad_headers(psprintf("The value of header \"%s\" contains a control character (such as a line break).",
+								 name));
+	}
+}
+
+static int
+compare_names(const void *a, const void *b)
+{
+	return strcmp(*(char *const *) a, *(char *const *) b);
+}
+
+/*
+ * response_headers, checked, with the names in lower case: HTTP field names
+ * are case-insensitive (and HTTP/2 and 3 send them in lower case), so
+ * "Content-Type" and "content-type" are one header and are stored once.
+ */
+static Jsonb *
+request_headers(Jsonb *headers)
+{
+	JsonbIterator *it;
+	JsonbParseState *st = NULL;
+	JsonbValue	v;
+	JsonbValue *res = NULL;
+	JsonbIteratorToken tok;
+	int			nnames = 0;
+	char	  **names;
+	char	   *name = NULL;
+
+	idem_check_object(headers, "response_headers");
+	names = palloc(Max(JsonContainerSize(&headers->root), 1) * sizeof(char *));
+	it = JsonbIteratorInit(&headers->root);
+	while ((tok = JsonbIteratorNext(&it, &v, true)) != WJB_DONE)
+	{
+		if (tok == WJB_KEY)
+		{
+			name = pnstrdup(v.val.string.val, v.val.string.len);
+			if (v.val.string.len == 0)
+				bad_headers("A header name is empty.");
+			for (int i = 0; i < v.val.string.len; i++)
+			{
+				if (!is_token_char((unsigned char) name[i]))
+					bad_headers(psprintf("Header name \"%s\" is not an HTTP token.", name));
+				name[i] = pg_ascii_tolower((unsigned char) name[i]);
+			}
+			names[nnames++] = name;
+			v.val.string.val = name;
+		}
+		else if (tok == WJB_VALUE && v.type == jbvBinary)
+		{
+			/* an array of strings: one field line each */
+			JsonbIterator *ait;
+			JsonbValue	e;
+			int			n = 0;
+
+			if (!JsonContainerIsArray(v.val.binary.data))
+				check_header_value(name, &v);	/* an object: refused */
+			ait = JsonbIteratorInit(v.val.binary.data);
+			while ((tok = JsonbIteratorNext(&ait, &e, true)) != WJB_DONE)
+				if (tok == WJB_ELEM)
+				{
+					check_header_value(name, &e);
+					n++;
+				}
+			if (n == 0)
+				bad_headers(psprintf("Header \"%s\" has an empty array of values.", name));
+			tok = WJB_VALUE;
+		}
+		else if (tok == WJB_VALUE)
+			check_header_value(name, &v);
+		res = pushJsonbValue(&st, tok, tok == WJB_BEGIN_OBJECT || tok == WJB_END_OBJECT ? NULL : &v);
+	}
+	/* names that differ only in case became one: refuse rather than pick */
+	if (res->val.object.nPairs < nnames)
+	{
+		qsort(names, nnames, sizeof(char *), compare_names);
+		for (int i = 1; i < nnames; i++)
+			if (strcmp(names[i - 1], names[i]) == 0)
+				bad_headers(psprintf("Header \"%s\" is named more than once (names are case-insensitive); give its values as an array.",
+									 names[i]));
+	}
+	return JsonbValueToJsonb(res);
+}
+
+/*
+ * idem_request_complete(key, scope, response, attempt, response_status,
+ *						 response_body, response_headers)
+ *	  RETURNS TABLE(status, response, response_status, response_body,
+ *					response_headers, replayed)
+ *
+ * Stores the response, given as jsonb (response) or as text (response_body),
+ * and returns it as a replay will: response_body is the text stored, or the
+ * jsonb's canonical text.
+ */
 Datum
 idem_request_complete(PG_FUNCTION_ARGS)
 {
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	RequestKey	rk;
 	int32		attempt;
-	Datum		values[6];
-	char		nulls[7] = "      ";
+	Datum		values[8];
+	char		nulls[9] = "        ";
+	RequestRow	row;
+	ResponseColumns rc;
 
 	request_key_args(fcinfo, &rk);
 	attempt = optional_attempt_arg(fcinfo, 3);
@@ -772,12 +1097,37 @@ idem_request_complete(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("response_status must be an HTTP status code (100 to 599)"),
 				 errdetail("%d was given.", PG_GETARG_INT32(4))));
-	nullable_arg(fcinfo, 2, &values[3], &nulls[3]);
+	if (!PG_ARGISNULL(2) && !PG_ARGISNULL(5))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("response and response_body cannot both be given"),
+				 errdetail("The body is stored once: as jsonb (response) or as text (response_body).")));
+	/* detoasted: they are returned as well as stored */
+	values[3] = PG_ARGISNULL(2) ? (Datum) 0 : JsonbPGetDatum(PG_GETARG_JSONB_P(2));
+	nulls[3] = PG_ARGISNULL(2) ? 'n' : ' ';
 	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
 	values[5] = TimestampTzGetDatum(idem_now());
+	values[6] = PG_ARGISNULL(5) ? (Datum) 0 : PointerGetDatum(PG_GETARG_TEXT_PP(5));
+	nulls[6] = PG_ARGISNULL(5) ? 'n' : ' ';
+	values[7] = PG_ARGISNULL(6) ? (Datum) 0 :
+		JsonbPGetDatum(request_headers(PG_GETARG_JSONB_P(6)));
+	nulls[7] = PG_ARGISNULL(6) ? 'n' : ' ';
+	InitMaterializedSRF(fcinfo, 0);
 	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls);
 	idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_COMPLETED, 1);
-	PG_RETURN_VOID();
+
+	/* what was stored, as begin() will return it */
+	row.response = values[3];
+	row.response_null = nulls[3] == 'n';
+	row.response_status = values[4];
+	row.response_status_null = nulls[4] == 'n';
+	row.response_body = values[6];
+	row.response_body_null = nulls[6] == 'n';
+	row.response_headers = values[7];
+	row.response_headers_null = nulls[7] == 'n';
+	response_columns("completed", &row, false, &rc);
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, rc.values, rc.nulls);
+	return (Datum) 0;
 }
 
 /*

@@ -220,7 +220,6 @@ idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
 		Oid			parent;
 		Relation	rel;
 		TupleDesc	desc;
-		AclResult	acl;
 
 		*bucket = idem_store_target(id, ts, &relid, &parent);
 		rel = try_table_open(relid, RowExclusiveLock);
@@ -235,9 +234,6 @@ idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
 			idem_store_forget(id);
 			continue;
 		}
-		acl = pg_class_aclcheck(parent, GetUserId(), ACL_INSERT);
-		if (acl != ACLCHECK_OK)
-			aclcheck_error(acl, OBJECT_TABLE, idem_stores[id].parent);
 		desc = RelationGetDescr(rel);
 		for (int i = 0; i < ncolumns; i++)
 			if (desc->natts != ncolumns ||

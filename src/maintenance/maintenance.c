@@ -37,6 +37,7 @@
 #include "claims/settings.h"
 #include "common/clock.h"
 #include "common/ownership.h"
+#include "common/capabilities.h"
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
@@ -155,6 +156,7 @@ idem_configure(PG_FUNCTION_ARGS)
 	IdemAsOwner as;
 	MaintainReport rep = {NULL, NULL, DEBUG1, 0};
 
+	idem_capability_require_unlimited("idem_configure", IDEM_CAP_OPERATOR);
 	/* validate against the settings no other configuration can change now */
 	lock_maintenance(true);
 	idem_become_owner(&as);
@@ -206,6 +208,7 @@ idem_maintain(PG_FUNCTION_ARGS)
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	MaintainReport rep;
 
+	idem_capability_require_unlimited("idem_maintain", IDEM_CAP_OPERATOR);
 	InitMaterializedSRF(fcinfo, 0);
 	rep.store = rsinfo->setResult;
 	rep.desc = rsinfo->setDesc;

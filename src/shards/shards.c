@@ -63,6 +63,7 @@
 #include "common/spi.h"
 #include "common/clock.h"
 #include "common/args.h"
+#include "common/capabilities.h"
 #include "common/keys.h"
 #include "common/cache.h"
 #include "common/compat.h"
@@ -356,6 +357,8 @@ idem_claim_routed(PG_FUNCTION_ARGS)
 		idem_null_argument("scope");
 	scope = PG_GETARG_TEXT_PP(2);
 	idem_check_scope(scope, IDEM_MAX_SCOPE_BYTES);
+	idem_capability_require("idem_claim_routed", IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE,
+							text_to_cstring(scope));
 	assert_owned(routing_key);
 	PG_RETURN_BOOL(idem_claim_key(scope, PG_GETARG_TEXT_PP(1),
 								  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),

@@ -68,6 +68,7 @@
 #include "common/clock.h"
 #include "common/args.h"
 #include "common/ownership.h"
+#include "common/capabilities.h"
 
 #include <limits.h>
 
@@ -897,6 +898,7 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 	if (PG_ARGISNULL(0))
 		idem_null_argument("all_databases");
 	all = PG_GETARG_BOOL(0);
+	idem_capability_require_unlimited("idem_stats_reset", IDEM_CAP_OPERATOR);
 	if (all && !superuser())
 		ereport(ERROR,
 				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),

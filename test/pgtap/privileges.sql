@@ -11,7 +11,7 @@ SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 CREATE EXTENSION IF NOT EXISTS idempotency;
 
-SELECT plan(6);
+SELECT plan(7);
 
 -- the extension's functions, with the roles that may execute each (the
 -- owner left out: it always may), 'PUBLIC' for everyone
@@ -45,16 +45,19 @@ SELECT is(ARRAY(SELECT format('%s | %s | %s | %s', fn,
 SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE prosecdef AND provolatile = 'v'),
           ARRAY[]::text[], 'no SECURITY DEFINER function is volatile (they only read)');
 
--- executable by PUBLIC: the API (each checks its caller's rights on the
--- tables it touches, or is the caller's own test) and read-only diagnosis;
--- not maintenance (idem_maintain, idem_configure: a round runs as the
--- extension's owner, so EXECUTE is the capability)
+-- executable by PUBLIC: the API (each checks its caller's capability
+-- first -- handler, relay, operator: src/common/capabilities.c -- or works
+-- through the caller's own table rights, or is the caller's own test,
+-- maintenance included: idem_maintain and idem_configure check the
+-- unlimited operator capability) and read-only diagnosis; not
+-- idem_grant/idem_revoke (owners only)
 SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)' ORDER BY fn),
           ARRAY['idem_check_replay(regprocedure,jsonb[],text,integer,double precision,double precision,integer)',
                 'idem_claim(text,text,jsonb)',
                 'idem_claim_many(text[],text)',
                 'idem_claim_routed(text,text,text,jsonb)',
                 'idem_claimed(text,text)',
+                'idem_configure(interval,interval,integer)',
                 'idem_guard_transitions(regclass,name,jsonb,text)',
                 'idem_guard_version(regclass,name,text)',
                 'idem_inbox_claim(integer,interval,text[])',
@@ -64,6 +67,7 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_inbox_receive(text,text,jsonb,jsonb)',
                 'idem_inbox_replay(text,timestamp with time zone,timestamp with time zone)',
                 'idem_is_replay_safe(regprocedure,jsonb[],text,text)',
+                'idem_maintain()',
                 'idem_outbox_ack(uuid[],uuid)',
                 'idem_outbox_claim(integer,interval,text[])',
                 'idem_outbox_discard(uuid[])',
@@ -74,12 +78,13 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_outbox_redrive(uuid[])',
                 'idem_release(text,text)',
                 'idem_request_abandon(text,text,integer)',
-                'idem_request_begin(text,text,jsonb,interval,interval)',
+                'idem_request_begin(text,text,jsonb,interval,interval,text)',
                 'idem_request_checkpoint(text,text,integer,text,jsonb)',
-                'idem_request_complete(text,text,jsonb,integer,integer)',
+                'idem_request_complete(text,text,jsonb,integer,integer,text,jsonb)',
                 'idem_request_extend(text,text,integer,interval)',
                 'idem_request_fence(text,text,integer)',
                 'idem_shard_partition(text,integer)',
+                'idem_stats_reset(boolean)',
                 'idem_transition(regclass,anyelement,text)',
                 'idem_unguard(regclass)',
                 'idem_upsert(anyelement,name)',
@@ -103,6 +108,28 @@ SELECT is(ARRAY(SELECT format('%s | %s', fn, grantees) FROM ext_functions
                 'idempotency.stats_info() | pg_monitor',
                 'idempotency.stats_rows() | pg_monitor'],
           'the functions granted to a named role');
+
+-- tables and views: no application role holds a right on any of them;
+-- pg_monitor reads the views (and so does a role granted the monitor
+-- capability, which gets the same rights), everyone the shard map
+SELECT is(ARRAY(SELECT format('%s | %s | %s', c.oid::regclass,
+                              CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END,
+                              a.privilege_type)
+                  FROM pg_depend d
+                  JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'idempotency'
+                  JOIN pg_class c ON c.oid = d.objid,
+                       aclexplode(c.relacl) a
+                 WHERE d.classid = 'pg_class'::regclass AND d.deptype = 'e'
+                   AND a.grantee <> c.relowner
+                 ORDER BY 1),
+          ARRAY['idempotency.capability_grants | pg_monitor | SELECT',
+                'idempotency.consumers | pg_monitor | SELECT',
+                'idempotency.inbox_backlog | pg_monitor | SELECT',
+                'idempotency.outbox_backlog | pg_monitor | SELECT',
+                'idempotency.partitions | pg_monitor | SELECT',
+                'idempotency.shard_ownership | PUBLIC | SELECT',
+                'idempotency.stats | pg_monitor | SELECT'],
+          'the rights on the extension''s tables and views');
 
 SELECT * FROM finish();
 ROLLBACK;

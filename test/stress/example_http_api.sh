@@ -61,9 +61,8 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/sch
 
 cat >"$tmp/check.py" <<'PY'
 import collections, json, queue, random, sys, threading, time, urllib.error, urllib.request
-import psycopg2, psycopg2.extras
+import psycopg2
 
-psycopg2.extras.register_default_jsonb(globally=True, loads=lambda s: s)
 phase, API, PROVIDER = sys.argv[1:4]
 failures = 0
 
@@ -114,6 +113,9 @@ def functional():
     replays = [post("f-new", body) for _ in range(3)]
     check(all(r[0] == 201 and r[1] == b1 and r[2].get("Idempotent-Replayed") == "true" for r in replays),
           "3 replays are 201, byte-identical, marked Idempotent-Replayed")
+    loc = h.get("Location")
+    check(loc == "/payments/" + json.loads(b1)["id"] and all(r[2].get("Location") == loc for r in replays),
+          f"the first answer's stored Location header ({loc}) comes with every replay")
     st, b, _ = post("f-new", b'{ "currency":"EUR",  "amount":1250, "customer":"cus_1" }')
     check(st == 201 and b == b1, "the same body in another JSON layout is the same request: replayed")
     st, b, _ = post("f-new", dict(body, amount=1251))
@@ -266,10 +268,11 @@ def stress(prefix, nkeys, nclients):
     check(len(rows) == nkeys and len(good) == nkeys,
           f"payments: {len(rows)} rows for {nkeys} keys, {len(good)} matching the answer and the provider")
 
-    stored = sql("""SELECT p.key, b.status, b.response_status, b.response
+    stored = sql("""SELECT p.key, b.status, b.replayed, b.response_status, b.response_body
                     FROM payments p, idem_request_begin(p.key, 'payments', p.request) b
                     WHERE p.key LIKE %s""", prefix + "-%")
-    same = [k for k, s, rs, r in stored if s == "completed" and (rs, r.encode()) == answers[k][0][:2]]
+    same = [k for k, s, rp, rs, r in stored
+            if s == "completed" and rp and (rs, r.encode()) == answers[k][0][:2]]
     check(len(same) == nkeys, f"{len(same)} of {nkeys} stored responses are 'completed' and equal to the answer served")
 
 if phase == "functional":

@@ -37,13 +37,13 @@ my $jobid = $node->safe_psql('postgres',
 );
 like($jobid, qr/^\d+$/, "job scheduled (jobid $jobid)");
 
-# the same job for a maintenance role that is not a superuser: EXECUTE on
-# idem_maintain() is all it needs of ours (the round runs as the
+# the same job for a maintenance role that is not a superuser: the
+# operator capability is all it needs of ours (the round runs as the
 # extension's owner), USAGE on schema cron all pg_cron needs
 $node->safe_psql(
 	'postgres', q{
 CREATE ROLE maint LOGIN;
-GRANT EXECUTE ON FUNCTION idem_maintain() TO maint;
+SELECT idem_grant('maint', 'operator');
 GRANT USAGE ON SCHEMA cron TO maint;
 });
 my $maint_jobid = $node->safe_psql('postgres',

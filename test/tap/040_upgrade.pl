@@ -287,11 +287,45 @@ foreach my $old (@old)
 	my $registry_sql = q{
 		SELECT string_agg(concat_ws('|', relid, lower, upper, sealed, md5(bloom)), ',' ORDER BY lower)
 		  FROM idempotency.partition_registry};
+	# roles that claimed and released with 1.0's table grants
+	$node->safe_psql($db, qq{
+		DO \$\$ BEGIN
+		    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'app_claimer') THEN
+		        CREATE ROLE app_claimer;
+		        CREATE ROLE app_releaser;
+		    END IF;
+		END \$\$;
+		GRANT INSERT, SELECT ON idempotency.claims TO app_claimer;
+		GRANT SELECT, DELETE ON idempotency.claims TO app_releaser;
+		SET ROLE app_claimer;
+		SELECT idem_claim('app-1', 'app');
+	});
 	my $claims_before = $node->safe_psql($db, $claims_sql);
 	my $registry_before = $node->safe_psql($db, $registry_sql);
 
 	# --- the update
-	$node->safe_psql($db, 'ALTER EXTENSION idempotency UPDATE');
+	my ($rc, $out, $err) = $node->psql($db, 'ALTER EXTENSION idempotency UPDATE', on_error_die => 1);
+	like($err, qr/WARNING:  role app_claimer held INSERT, SELECT on idempotency.claims: granted capability handler/,
+		"$old -> $current: the update says what it made of a claimer's table grants");
+	like($err, qr/WARNING:  role app_releaser held DELETE, SELECT on idempotency.claims: granted capability operator/,
+		"$old -> $current: and of a releaser's");
+	is($node->safe_psql($db, q{
+		SELECT role || ':' || capability || ':' || coalesce(scopes::text, 'unlimited')
+		  FROM idempotency.capability_grants ORDER BY 1}),
+		"app_claimer:handler:unlimited\napp_releaser:operator:unlimited",
+		"$old -> $current: the roles hold the capabilities, unlimited");
+	is($node->safe_psql($db, q{
+		SELECT has_table_privilege('app_claimer', 'idempotency.claims', 'INSERT, SELECT, DELETE'),
+		       has_table_privilege('app_releaser', 'idempotency.claims', 'INSERT, SELECT, DELETE')}),
+		'f|f', "$old -> $current: and no table privilege any more");
+	is($node->safe_psql($db, q{
+		SET ROLE app_claimer;
+		SELECT idem_claim('app-1', 'app'), idem_claim('app-2', 'app');
+		SELECT idem_claimed('app-2', 'app') IS NOT NULL}),
+		"f|t\nt", "$old -> $current: the claimer goes on claiming");
+	is($node->safe_psql($db, q{SET ROLE app_releaser; SELECT idem_release('app-2', 'app')}),
+		't', "$old -> $current: the releaser goes on releasing");
+	$claims_before = $node->safe_psql($db, $claims_sql);
 	is($node->safe_psql($db, "SELECT extversion FROM pg_extension WHERE extname = 'idempotency'"),
 		$current, "$old updated to $current");
 

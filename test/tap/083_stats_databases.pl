@@ -116,7 +116,7 @@ $_->{h}->finish foreach ($hold, $s1);
 
 # ---- reset: every database for a superuser, its own for a grantee ----
 $node->safe_psql('postgres', 'CREATE ROLE operator LOGIN');
-$node->safe_psql($_, 'GRANT EXECUTE ON FUNCTION idem_stats_reset(boolean) TO operator')
+$node->safe_psql($_, "SELECT idem_grant('operator', 'operator')")
   foreach qw(noisy quiet);
 my ($ret, $out, $err) = $node->psql('quiet',
 	"\\set VERBOSITY verbose\nSELECT idem_stats_reset(all_databases => true)",

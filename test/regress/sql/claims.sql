@@ -154,10 +154,11 @@ COMMIT;
 -- writing to idempotency.claims directly is refused
 SELECT pg_temp.try($$INSERT INTO idempotency.claims VALUES ('default', 'direct', now(), NULL)$$);
 
--- privileges: INSERT claims, SELECT looks up, DELETE releases
+-- capabilities: handler claims and looks up, operator releases (table
+-- privileges play no part: test/regress/sql/capabilities.sql)
 CREATE ROLE idem_app;
 CREATE ROLE idem_nobody;
-GRANT INSERT, SELECT ON idempotency.claims TO idem_app;
+SELECT idem_grant('idem_app', 'handler');
 SET ROLE idem_nobody;
 SELECT pg_temp.try($$SELECT idem_claim('priv-1')$$);
 SELECT pg_temp.try($$SELECT * FROM idem_claim_many(ARRAY['priv-1'])$$);
@@ -172,11 +173,11 @@ SELECT idem_claim('priv-1');
 SELECT idem_claimed('priv-1') IS NOT NULL AS found;
 SELECT pg_temp.try($$SELECT idem_release('priv-1')$$);
 RESET ROLE;
-GRANT DELETE ON idempotency.claims TO idem_app;
+SELECT idem_grant('idem_app', 'operator');
 SET ROLE idem_app;
 SELECT idem_release('priv-1');
 RESET ROLE;
-REVOKE ALL ON idempotency.claims FROM idem_app;
+SELECT idem_revoke('idem_app');
 DROP ROLE idem_app;
 DROP ROLE idem_nobody;
 

@@ -37,9 +37,9 @@ SELECT count(*) AS pinned_still_registered
 DROP VIEW regress_app.pin;
 SELECT count(*) AS dropped_after FROM idem_maintain()
  WHERE action = 'drop' AND object = :'pinned_part';
--- the internal schema is not needed to claim: INSERT on idempotency.claims is
+-- the internal schema is not needed to claim: the handler capability is
 REVOKE USAGE ON SCHEMA idempotency FROM regress_idem_app;
-GRANT INSERT, SELECT ON idempotency.claims TO regress_idem_app;
+SELECT idem_grant('regress_idem_app', 'handler');
 SET ROLE regress_idem_app;
 SELECT idem_claim('app-no-schema', 'edges'), idem_claim('app-no-schema', 'edges');
 SELECT idem_claimed('app-no-schema', 'edges') IS NOT NULL AS found;
@@ -203,6 +203,6 @@ SELECT count(*) AS doubled FROM (
 
 RESET idempotency.debug_clock_offset;
 DROP SCHEMA regress_app CASCADE;
-REVOKE ALL ON idempotency.claims FROM regress_idem_app;
+SELECT idem_revoke('regress_idem_app');
 DROP ROLE regress_idem_app;
 DROP EXTENSION idempotency CASCADE;

@@ -112,18 +112,15 @@ SELECT pg_temp.try($$SELECT idem_inbox_fail(gen_random_uuid(), 'x')$$) AS fail_u
 SELECT count(*) AS messages_after_bad_input, count(*) FILTER (WHERE attempts > 0) AS touched
   FROM idempotency.inbox_messages;
 
--- 2. Privileges: the functions run with the caller's privileges
+-- 2. Capabilities: handler receives, relay claims and settles, operator
+-- replays; no table privilege is needed (or used)
 CREATE ROLE regress_inbox_nobody;
 CREATE ROLE regress_inbox_app;
 CREATE ROLE regress_inbox_worker;
 -- what README "Inbox" tells to grant
-GRANT SELECT, INSERT ON idempotency.claims TO regress_inbox_app;
-GRANT USAGE ON SCHEMA idempotency TO regress_inbox_app;
-GRANT SELECT ON idempotency.inbox_partitions TO regress_inbox_app;
-GRANT INSERT ON idempotency.inbox_messages TO regress_inbox_app;
-GRANT SELECT, INSERT, UPDATE ON idempotency.inbox_sequences TO regress_inbox_app;
-GRANT USAGE ON SCHEMA idempotency TO regress_inbox_worker;
-GRANT SELECT, UPDATE ON idempotency.inbox_messages TO regress_inbox_worker;
+SELECT idem_grant('regress_inbox_app', 'handler');
+SELECT idem_grant('regress_inbox_worker', 'relay');
+SELECT idem_grant('regress_inbox_worker', 'operator', sources => ARRAY['orders']);
 SET ROLE regress_inbox_nobody;
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'p-1', '{}')$$) AS nobody_receive;
 SELECT pg_temp.try($$SELECT idem_inbox_claim()$$) AS nobody_claim;
@@ -131,7 +128,7 @@ SELECT pg_temp.try($$SELECT idem_inbox_done(ARRAY['01900000-0000-7000-8001-00000
 SELECT pg_temp.try($$SELECT idem_inbox_fail((SELECT '01900000-0000-7000-8000-000000000000'::uuid), 'x')$$) AS nobody_fail;
 SELECT pg_temp.try($$SELECT idem_inbox_replay('orders', '-infinity')$$) AS nobody_replay;
 RESET ROLE;
--- claims alone are not enough to store a message
+-- table privileges on the claims do not store a message
 GRANT SELECT, INSERT ON idempotency.claims TO regress_inbox_nobody;
 SET ROLE regress_inbox_nobody;
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'p-1', '{}')$$) AS claims_only_receive;
@@ -149,9 +146,8 @@ SELECT idem_inbox_done(ARRAY(SELECT id FROM w), (SELECT lease_token FROM w LIMIT
 SELECT idem_inbox_replay('orders', '-infinity', 'infinity') AS worker_replay;
 SELECT pg_temp.try($$SELECT idem_inbox_receive('orders', 'p-3', '{}')$$) AS worker_receive;
 RESET ROLE;
-REVOKE ALL ON idempotency.claims, idempotency.inbox_partitions, idempotency.inbox_messages,
-    idempotency.inbox_sequences FROM regress_inbox_app, regress_inbox_worker, regress_inbox_nobody;
-REVOKE ALL ON SCHEMA idempotency FROM regress_inbox_app, regress_inbox_worker;
+REVOKE ALL ON idempotency.claims FROM regress_inbox_nobody;
+SELECT idem_revoke('regress_inbox_app') + idem_revoke('regress_inbox_worker') AS revoked;
 DROP TABLE w;
 DROP ROLE regress_inbox_nobody;
 DROP ROLE regress_inbox_app;
@@ -362,8 +358,8 @@ SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, 'a while')$$, :'s2_toke
 SELECT count(*) AS leases_changed
   FROM idempotency.inbox_messages m JOIN s_before b USING (id)
  WHERE m.lease_token IS DISTINCT FROM b.lease_token OR m.lease_until IS DISTINCT FROM b.lease_until;
--- privileges: extend needs UPDATE on idempotency.inbox_messages (the
--- worker's grant of README "Inbox")
+-- capabilities: extend needs relay (the worker's grant of README "Inbox"),
+-- table privileges do nothing
 SELECT idem_inbox_receive('slow', 's-4', '{}') AS received;
 CREATE TEMP TABLE s3 AS SELECT * FROM idem_inbox_claim(10, '10 seconds', ARRAY['slow']);
 SELECT lease_token AS s3_token FROM s3 LIMIT 1 \gset
@@ -373,10 +369,11 @@ GRANT SELECT ON idempotency.inbox_messages TO regress_inbox_slow;
 SET ROLE regress_inbox_slow;
 SELECT pg_temp.try(format($$SELECT idem_inbox_extend(%L, '1 minute')$$, :'s3_token')) AS select_only;
 RESET ROLE;
-GRANT UPDATE ON idempotency.inbox_messages TO regress_inbox_slow;
+SELECT idem_grant('regress_inbox_slow', 'relay');
 SET ROLE regress_inbox_slow;
 SELECT idem_inbox_extend(:'s3_token', '1 minute') AS worker_extend;
 RESET ROLE;
+SELECT idem_revoke('regress_inbox_slow') AS revoked;
 REVOKE ALL ON idempotency.inbox_messages FROM regress_inbox_slow;
 REVOKE ALL ON SCHEMA idempotency FROM regress_inbox_slow;
 DROP ROLE regress_inbox_slow;

@@ -1,7 +1,7 @@
 -- Who may maintain, as whom a round acts, and what it refuses to touch.
 -- A round runs as the extension's owner (here the bootstrap superuser that
--- runs the tests) whoever starts it; starting one needs EXECUTE on
--- idem_maintain() or idem_configure(), which PUBLIC does not have.
+-- runs the tests) whoever starts it; starting one needs the unlimited
+-- operator capability, which both functions check (EXECUTE is PUBLIC's).
 CREATE EXTENSION idempotency;
 
 \getenv abs_srcdir PG_ABS_SRCDIR
@@ -18,10 +18,16 @@ SELECT pg_temp.try($$SELECT count(*) FROM idem_maintain()$$);
 SELECT pg_temp.try($$SELECT idem_configure(premake => 5)$$);
 RESET ROLE;
 
--- 2. EXECUTE alone (no USAGE on schema idempotency, no table rights) is
--- enough: the round makes the partitions of every store, as the owner
-GRANT EXECUTE ON FUNCTION idem_maintain(), idem_configure(interval, interval, integer)
-    TO idem_maint_role;
+-- 2. an operator limited to some scopes may not maintain either
+SELECT idem_grant('idem_maint_role', 'operator', scopes => ARRAY['maint:*']);
+SET ROLE idem_maint_role;
+SELECT pg_temp.try($$SELECT count(*) FROM idem_maintain()$$);
+RESET ROLE;
+
+-- 3. the operator capability alone (no USAGE on schema idempotency, no
+-- table rights) is enough: the round makes the partitions of every store,
+-- as the owner
+SELECT idem_grant('idem_maint_role', 'operator');
 SET ROLE idem_maint_role;
 SELECT pg_temp.try($$SELECT idem_configure(premake => 6)$$);
 SELECT split_part(object, '_', 1) AS store, action, count(*)
@@ -34,7 +40,7 @@ SELECT p.store, count(*) AS partitions,
  GROUP BY p.store ORDER BY p.store;
 SELECT premake FROM idempotency.current_settings();
 
--- 3. an index on an expression of a partition is refused by claimers before
+-- 4. an index on an expression of a partition is refused by claimers before
 -- its expression is built (building it would run the function, as the claimer)
 CREATE TABLE pg_temp.ran (n int);
 CREATE FUNCTION pg_temp.note() RETURNS text LANGUAGE plpgsql VOLATILE AS
@@ -50,7 +56,7 @@ SELECT regexp_replace(pg_temp.try($$SELECT idem_claim('trap', 'maint-security')$
 SELECT count(*) AS function_ran FROM pg_temp.ran;
 DROP INDEX idempotency.trap_index;
 
--- 4. a damaged Bloom filter is repaired by setting it to NULL: the next
+-- 5. a damaged Bloom filter is repaired by setting it to NULL: the next
 -- round rebuilds it
 SELECT idem_claim('filter-' || g, 'maint-security') FROM generate_series(1, 50) g \g /dev/null
 SET idempotency.debug_clock_offset = '2d';
@@ -67,7 +73,7 @@ SELECT count(*) AS claimed_again
 SELECT action FROM idem_maintain() WHERE object = :'filtered_part'::regclass::text;
 RESET idempotency.debug_clock_offset;
 
--- 5. a partition that is not ours is reported and left alone: handed to
+-- 6. a partition that is not ours is reported and left alone: handed to
 -- another role, it is neither sealed nor dropped, and nothing of it is read
 SELECT relid AS future_part FROM idempotency.partition_registry
  WHERE lower > now() + interval '1 day' ORDER BY lower LIMIT 1 \gset
@@ -98,14 +104,14 @@ RESET idempotency.debug_clock_offset;
 SELECT count(*) AS still_there FROM idempotency.outbox_partitions WHERE relid = :'outbox_part'::regclass;
 ALTER TABLE :outbox_part OWNER TO CURRENT_USER;
 
--- 6. a table of the extension handed to another role: no round acts as the
+-- 7. a table of the extension handed to another role: no round acts as the
 -- owner on a table whose triggers another role controls
 ALTER TABLE idempotency.partition_registry OWNER TO idem_other_role;
 SELECT regexp_replace(pg_temp.try($$SELECT count(*) FROM idem_maintain()$$),
                       '"?idem_other_role"?', 'R');
 ALTER TABLE idempotency.partition_registry OWNER TO CURRENT_USER;
 
--- 7. a maintenance role's own settings cannot make its round drop more: with
+-- 8. a maintenance role's own settings cannot make its round drop more: with
 -- outbox_keep_undelivered off in its session, an undelivered event still
 -- pins its partition (a superuser's, or the owner's, setting is honoured)
 SELECT relid AS pinned_part FROM idempotency.outbox_partitions
@@ -121,6 +127,7 @@ SELECT action FROM idem_maintain() WHERE object = :'pinned_part';
 RESET idempotency.debug_clock_offset;
 RESET idempotency.outbox_keep_undelivered;
 
+SELECT idem_revoke('idem_maint_role') AS revoked;
 SET client_min_messages = warning;
 DROP EXTENSION idempotency CASCADE;
 RESET client_min_messages;

@@ -21,6 +21,19 @@ EXCEPTION WHEN OTHERS THEN
 END
 $$;
 
+-- IK002's seconds: those of the detail, and the hint's whole seconds
+CREATE FUNCTION pg_temp.lease_left(sql text, OUT detail_seconds numeric, OUT hint_seconds int)
+LANGUAGE plpgsql AS $$
+DECLARE d text; h text;
+BEGIN
+    EXECUTE sql;
+EXCEPTION WHEN SQLSTATE 'IK002' THEN
+    GET STACKED DIAGNOSTICS d = PG_EXCEPTION_DETAIL, h = PG_EXCEPTION_HINT;
+    detail_seconds := substring(d FROM 'ends in ([0-9.]+) seconds')::numeric;
+    hint_seconds := substring(h FROM '^Retry after ([0-9]+) seconds?, or begin with a wait\.$')::int;
+END
+$$;
+
 -- maintenance made the requests' partitions with the others
 SELECT state, count(*) FROM idempotency.partitions WHERE store = 'requests' GROUP BY 1 ORDER BY 1;
 
@@ -184,6 +197,56 @@ SELECT status, attempt FROM idem_request_begin('k-9', 'payments');
 COMMIT;
 SELECT status, attempt, count(*) OVER () AS rows_for_k9 FROM idempotency.requests WHERE key = 'k-9';
 
+-- 7d. What an HTTP handler needs comes back as data: the lease left of a
+-- live holder (retry_after, for Retry-After), the stored body as text, byte
+-- for byte, the stored headers, and whether the answer is a replay
+SELECT status, attempt FROM idem_request_begin('h-1', 'payments', '{"n": 1}', '10 seconds');
+-- on_conflict => 'return': a live holder is a row instead of IK002, with
+-- nothing but status and retry_after (no attempt to act for), and nothing
+-- written
+BEGIN;
+SELECT status, response, response_status, attempt, recovery_point, state,
+       retry_after > '9 seconds' AND retry_after <= '10 seconds' AS retry_after_9_to_10s,
+       replayed, response_body, response_headers
+  FROM idem_request_begin('h-1', 'payments', '{"n": 1}', on_conflict => 'return');
+SELECT txid_current_if_assigned() IS NULL AS wrote_nothing;
+COMMIT;
+-- IK002 stays the default: its detail, and its hint with the whole seconds
+SELECT detail_seconds BETWEEN 9 AND 10 AS detail_9_to_10s, hint_seconds = ceil(detail_seconds) AS hint_rounds_up
+  FROM pg_temp.lease_left($$SELECT * FROM idem_request_begin('h-1', 'payments')$$);
+-- another payload is IK001 whatever on_conflict says
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('h-1', 'payments', '{"n": 2}', on_conflict => 'return')$$);
+-- complete stores a body given as text (not canonical JSON, here) and
+-- headers (names in lower case), and returns what it stored
+SELECT * FROM idem_request_complete('h-1', 'payments', attempt => 1, response_status => 201,
+    response_body => E'{"id":  "pay_h1",\n "amount": 10}',
+    response_headers => '{"Content-Type": "application/json", "Set-Cookie": ["a=1", "b=2"], "location": "/payments/h1"}');
+-- a replay: the same status, body text and headers, marked as a replay
+SELECT status, response, response_status, response_body, response_headers, replayed, retry_after
+  FROM idem_request_begin('h-1', 'payments', '{"n": 1}', on_conflict => 'return');
+-- a body given as jsonb is returned as its canonical text, by complete and
+-- by every replay alike
+SELECT status, attempt FROM idem_request_begin('h-2', 'payments');
+SELECT response, response_body, replayed FROM idem_request_complete('h-2', 'payments', '{"b": 2,  "a": [1,2]}', 1, 200);
+SELECT response, response_body, replayed FROM idem_request_begin('h-2', 'payments');
+-- an empty body is a body (a 204); no body is NULL
+SELECT status, attempt FROM idem_request_begin('h-3', 'payments');
+SELECT response_body = '' AS empty_body FROM idem_request_complete('h-3', 'payments', response_body => '', response_status => 204);
+SELECT response, response_body = '' AS empty_body, response_status FROM idem_request_begin('h-3', 'payments');
+-- each body is stored once: as jsonb or as text
+SELECT key, response, response_body, response_headers FROM idempotency.requests
+ WHERE key LIKE 'h-%' ORDER BY key;
+-- a released claim whose holder is live: 'return' leaves no claim behind
+SELECT status, attempt FROM idem_request_begin('h-4', 'payments', NULL, '1 hour');
+SELECT idem_release('h-4', 'request:payments') AS claim_released;
+SELECT status, attempt, retry_after > '59 minutes' AS retry_after_about_1h
+  FROM idem_request_begin('h-4', 'payments', on_conflict => 'return');
+SELECT count(*) AS claims_for_h4 FROM idempotency.claims WHERE key = 'h-4';
+-- an expired lease with 'return' is taken over as usual
+SELECT status, attempt FROM idem_request_begin('h-5', 'payments', NULL, '1 second');
+SET idempotency.debug_clock_offset = '32h';
+SELECT status, attempt, retry_after FROM idem_request_begin('h-5', 'payments', on_conflict => 'return');
+
 -- 8. Bad input: NULL 22004, empty or invalid 22023, too long 22001
 SELECT count(*) AS requests_before FROM idempotency.requests \gset
 SELECT count(*) AS claims_before FROM idempotency.claims \gset
@@ -214,18 +277,27 @@ SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments', '{}', 1, 99
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments', '{}', 1, 600)$$);
 SELECT pg_temp.try($$SELECT idem_request_abandon('k-2', 'payments', 0)$$);
 SELECT pg_temp.try($$SELECT idem_request_begin('k', 'payments', 'not json')$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', on_conflict => NULL)$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', on_conflict => 'ignore')$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_begin('k', on_conflict => 'RETURN')$$);
+SELECT pg_temp.try($$SELECT status FROM idem_request_complete('k-2', 'payments', '{}', response_body => '{}')$$);
+-- headers: an object of strings or arrays of strings, with HTTP token names
+SELECT h, pg_temp.try(q) AS error, pg_temp.detail(q, false)
+  FROM unnest(ARRAY['[]', '"text/plain"', '{"a": 1}', '{"a": null}', '{"a": []}', '{"a": [1]}',
+                    '{"a": ["x", ["y"]]}', '{"a": {"b": "c"}}', '{"": "x"}', '{"bad name": "x"}',
+                    '{"a:b": "x"}', E'{"x-a": "1\\r\\nset-cookie: evil=1"}', '{"x-a": "\u0007"}',
+                    '{"Content-Type": "a", "content-type": "b"}']) h,
+       format('SELECT status FROM idem_request_complete(%L, %L, response_headers => %L)', 'k-2', 'payments', h) q;
 -- none of that wrote anything
 SELECT count(*) - :requests_before AS requests_written FROM idempotency.requests;
 SELECT count(*) - :claims_before AS claims_written FROM idempotency.claims;
 
--- 9. Privileges: begin needs INSERT on idempotency.claims and SELECT,
--- INSERT and UPDATE on idempotency.requests
+-- 9. Capabilities: every request function needs handler (for the scope);
+-- no privilege on a table, no USAGE on schema idempotency
 RESET idempotency.debug_clock_offset;
 CREATE ROLE idem_api;
 CREATE ROLE idem_nobody;
-GRANT USAGE ON SCHEMA idempotency TO idem_api, idem_nobody;
-GRANT INSERT ON idempotency.claims TO idem_api;
-GRANT SELECT, INSERT, UPDATE ON idempotency.requests TO idem_api;
+SELECT idem_grant('idem_api', 'handler', scopes => ARRAY['payments']);
 SET ROLE idem_nobody;
 SELECT pg_temp.try($$SELECT status FROM idem_request_begin('p-1', 'payments')$$);
 SELECT pg_temp.try($$SELECT idem_request_complete('k-2', 'payments')$$);
@@ -238,6 +310,7 @@ SELECT idem_request_fence('p-1', 'payments', 1);
 SELECT idem_request_complete('p-1', 'payments', '{"ok": true}', 1, 200);
 SELECT status, response FROM idem_request_begin('p-1', 'payments');
 RESET ROLE;
+SELECT idem_revoke('idem_api') AS revoked;
 DROP OWNED BY idem_api, idem_nobody;
 DROP ROLE idem_api, idem_nobody;
 

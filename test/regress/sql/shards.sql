@@ -117,12 +117,12 @@ SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);
 SELECT idem_shard_configure(2, '{1}');
 
 -- 7. Privileges: the check needs a grant (a check that passes holds a lock a
--- freeze waits for); a claim needs INSERT on the claims, as idem_claim does;
+-- freeze waits for); a claim needs the handler capability, as idem_claim does;
 -- only the table's owner configures, and only the owner may generate router DDL
 CREATE ROLE idem_shard_app;
 CREATE ROLE idem_shard_nobody;
 GRANT USAGE ON SCHEMA idempotency TO idem_shard_app;
-GRANT INSERT, SELECT ON idempotency.claims TO idem_shard_app;
+SELECT idem_grant('idem_shard_app', 'handler');
 SET ROLE idem_shard_app;
 SELECT partitions, owned FROM idempotency.shard_ownership;
 SELECT pg_temp.try($$SELECT idem_shard_assert('1')$$);

@@ -127,11 +127,12 @@ SELECT pg_temp.try($$SELECT idem_stats_reset(NULL)$$);
 SELECT pg_temp.try($$SELECT idem_stats_reset('maybe')$$);
 -- every database is a superuser's to reset; a grantee resets its own
 CREATE ROLE idem_operator;
-GRANT EXECUTE ON FUNCTION idem_stats_reset(boolean) TO idem_operator;
+SELECT idem_grant('idem_operator', 'operator');
 SET ROLE idem_operator;
 SELECT pg_temp.try($$SELECT idem_stats_reset(all_databases => true)$$);
 SELECT pg_temp.try($$SELECT idem_stats_reset()$$);
 RESET ROLE;
+SELECT idem_revoke('idem_operator') AS revoked;
 DROP OWNED BY idem_operator;
 DROP ROLE idem_operator;
 SELECT pg_temp.try($$SELECT * FROM idempotency.stats_counters('x')$$);
