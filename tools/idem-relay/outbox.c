@@ -156,13 +156,13 @@ db_open(relay_db *db, const relay_config *cfg)
 	snprintf(db->claim_sql, sizeof(db->claim_sql),
 			 "SELECT e.id, e.lease_token, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, "
 			 "       e.payload::text, e.headers::text, e.attempts, "
-			 "       pg_catalog.json_build_object('id', e.id, 'aggregate_type', e.aggregate_type, "
+			 "       pg_catalog.jsonb_build_object('id', e.id, 'aggregate_type', e.aggregate_type, "
 			 "         'aggregate_id', e.aggregate_id, 'seq', e.seq, 'event_type', e.event_type, "
 			 "         'payload', e.payload, 'headers', e.headers, 'created_at', e.created_at, "
 			 "         'attempts', e.attempts)::text, "
 			 "       pg_catalog.date_part('epoch', pg_catalog.now() - e.created_at) "
 			 "FROM %s.idem_outbox_claim($1::int, pg_catalog.make_interval(secs => $2::float8), "
-			 "                          pg_catalog.string_to_array(pg_catalog.nullif($3, ''), ',')) "
+			 "                          pg_catalog.string_to_array(NULLIF($3::text, ''), ',')) "
 			 "     WITH ORDINALITY e ORDER BY e.ordinality", schema);
 	snprintf(db->ack_sql, sizeof(db->ack_sql),
 			 "SELECT %s.idem_outbox_ack($1::uuid[], $2::uuid)", schema);
