@@ -7,11 +7,14 @@
  *	   seq order;
  *	2. publish the events in the order returned, one at a time, each only
  *	   after the one before it was confirmed by the sink.  A transient
- *	   failure (5xx, timeout, lost connection) is tried again in place, the
- *	   sink reopened, with a backoff (0.1 s doubling up to --retry-max) up
- *	   to --retries tries; a refusal (4xx) or the last try makes it the
- *	   aggregate's failure: nothing more of that aggregate in this batch,
- *	   the other aggregates go on.  Past half the lease,
+ *	   failure (5xx, timeout) is tried again in place, the sink reopened,
+ *	   with a backoff (0.1 s doubling up to --retry-max) up to --retries
+ *	   tries; a refusal (4xx) or the last try makes it the aggregate's
+ *	   failure: nothing more of that aggregate in this batch, the other
+ *	   aggregates go on.  A broker that cannot be reached (connection
+ *	   refused or lost) is no event's fault: the publish is tried again
+ *	   with the same backoff until the broker is back (or SIGTERM), the
+ *	   lease extended meanwhile, so an outage burns no attempts.  Past half the lease,
  *	   idem_outbox_extend; fewer events than were handed out means the lease
  *	   is lost: stop publishing (another relay has those aggregates now);
  *	3. flush the sink (if it buffers), then idem_outbox_ack of every event
@@ -376,7 +379,7 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 			err[0] = '\0';
 			if (!sink->open && sink_reopen(sink, cfg, 1) != 0)
 			{
-				r = SINK_RETRY;
+				r = SINK_DOWN;
 				snprintf(err, sizeof(err), "the sink cannot be opened");
 			}
 			else
@@ -391,7 +394,8 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 				break;
 			}
 			metric_add(M_FAILED, 1);
-			tries++;
+			if (r != SINK_DOWN)
+				tries++;
 			if (r == SINK_REJECT || tries >= cfg->retries)
 			{
 				log_msg(LOG_WARN, "publish failed: nacking the event", "id", ev[i].id,
@@ -402,7 +406,8 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 				skip_from = i;
 				break;
 			}
-			log_msg(LOG_WARN, "publish failed: trying again", "id", ev[i].id, "error", err, NULL);
+			log_msg(LOG_WARN, r == SINK_DOWN ? "the broker is unreachable: trying again" :
+					"publish failed: trying again", "id", ev[i].id, "error", err, NULL);
 			/* a transient failure: reopen the sink after the backoff */
 			if (sink->open)
 			{

@@ -113,8 +113,9 @@ typedef struct relay_event
 typedef enum sink_result
 {
 	SINK_OK,					/* the broker confirmed it */
-	SINK_RETRY,					/* transient: try again (5xx, timeout, connection) */
-	SINK_REJECT					/* the broker refused this event: nack it */
+	SINK_RETRY,					/* transient: try again, up to --retries (5xx, timeout) */
+	SINK_REJECT,				/* the broker refused this event: nack it */
+	SINK_DOWN					/* the broker is unreachable: try again until it is back */
 } sink_result;
 
 typedef struct sink_ops

@@ -124,7 +124,7 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	if (rc != AMQP_STATUS_OK)
 	{
 		snprintf(err, errlen, "basic.publish: %s", amqp_error_string2(rc));
-		return SINK_RETRY;
+		return SINK_DOWN;
 	}
 	/* frames until the confirm: a basic.return (unroutable) comes first */
 	for (;;)
@@ -136,7 +136,7 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 		if (rc != AMQP_STATUS_OK)
 		{
 			snprintf(err, errlen, "waiting for the confirm: %s", amqp_error_string2(rc));
-			return SINK_RETRY;
+			return rc == AMQP_STATUS_TIMEOUT ? SINK_RETRY : SINK_DOWN;
 		}
 		if (frame.frame_type != AMQP_FRAME_METHOD)
 			continue;			/* the returned message's header and body */
@@ -158,7 +158,7 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 			case AMQP_CHANNEL_CLOSE_METHOD:
 			case AMQP_CONNECTION_CLOSE_METHOD:
 				snprintf(err, errlen, "the broker closed the channel");
-				return SINK_RETRY;
+				return SINK_DOWN;
 			default:
 				break;
 		}

@@ -2,7 +2,8 @@
  * sink_http.c: POST each event (the JSON object) to --url with libcurl,
  * header Idempotency-Key: the event id, so the receiver can drop a
  * redelivery.  2xx: confirmed.  408, 429, 5xx, a timeout (--timeout) or a
- * transport error: transient, tried again.  Any other status (4xx, 3xx):
+ * transport error: transient, tried again (a refused connection: tried
+ * until the server is back).  Any other status (4xx, 3xx):
  * refused, nacked at once (dead-lettered after outbox_max_attempts).
  * Guarantee: at least once; exactly once in effect for a receiver that
  * dedupes on Idempotency-Key.
@@ -93,6 +94,9 @@ http_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	if (rc != CURLE_OK)
 	{
 		snprintf(err, errlen, "%s", curl_easy_strerror(rc));
+		/* nothing reached the server: no try is spent */
+		if (rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST)
+			return SINK_DOWN;
 		return SINK_RETRY;
 	}
 	curl_easy_getinfo(st->curl, CURLINFO_RESPONSE_CODE, &status);

@@ -104,6 +104,9 @@ nats_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	/* an error the server gave for this message (too large, ...) is its own */
 	if (jerr != 0 && s != NATS_TIMEOUT)
 		return SINK_REJECT;
+	if (s == NATS_CONNECTION_CLOSED || s == NATS_CONNECTION_DISCONNECTED || s == NATS_NO_SERVER ||
+		s == NATS_IO_ERROR || s == NATS_STALE_CONNECTION)
+		return SINK_DOWN;
 	return SINK_RETRY;
 }
 

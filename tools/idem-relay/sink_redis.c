@@ -65,7 +65,7 @@ redis_publish(void *state, const relay_event *ev, const char *target, char *err,
 	if (!r)
 	{
 		snprintf(err, errlen, "%s", c->errstr[0] ? c->errstr : "lost the connection");
-		return SINK_RETRY;
+		return SINK_DOWN;
 	}
 	if (r->type == REDIS_REPLY_ERROR)
 	{
