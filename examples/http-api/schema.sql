@@ -15,3 +15,14 @@ CREATE TABLE IF NOT EXISTS payments (
     request    jsonb NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- the role the API runs as: its own table, and the handler capability
+-- limited to the API's scope; no right on the extension's tables
+DO $$
+BEGIN
+    CREATE ROLE payments_api LOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END
+$$;
+GRANT SELECT, INSERT ON payments TO payments_api;
+SELECT idem_grant('payments_api', 'handler', scopes => ARRAY['payments']);

@@ -19,3 +19,23 @@ CREATE TABLE IF NOT EXISTS balances (
     account      text PRIMARY KEY,
     balance      bigint NOT NULL
 );
+
+-- the roles the receiver and the workers run as: the receiver stores
+-- messages (handler), the workers lease and settle them (relay) and write
+-- the ledger; neither has a right on the extension's tables
+DO $$
+BEGIN
+    CREATE ROLE webhook_receiver LOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END
+$$;
+DO $$
+BEGIN
+    CREATE ROLE webhook_worker LOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END
+$$;
+SELECT idem_grant('webhook_receiver', 'handler');
+SELECT idem_grant('webhook_worker', 'relay');
+GRANT SELECT, INSERT ON ledger TO webhook_worker;
+GRANT SELECT, INSERT, UPDATE ON balances TO webhook_worker;

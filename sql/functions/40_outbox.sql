@@ -17,6 +17,13 @@ FROM idempotency.outbox_dead_letters;
 COMMENT ON VIEW idempotency.outbox_dead IS
     'dead-lettered outbox events (idem_outbox_redrive() puts them back, idem_outbox_discard() drops them)';
 
+-- The dead events an operator may see (its aggregate types), without a
+-- right on the view: src/delivery/dead_letters.c.
+CREATE OR REPLACE FUNCTION idem_outbox_dead() RETURNS SETOF idempotency.outbox_dead
+    AS 'MODULE_PATHNAME', 'idem_outbox_dead' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+COMMENT ON FUNCTION idem_outbox_dead() IS
+    'dead-lettered outbox events of the aggregate types the caller''s operator capability covers';
+
 CREATE OR REPLACE FUNCTION idem_outbox_emit(aggregate_type text, aggregate_id text, event_type text,
                                             payload jsonb, headers jsonb DEFAULT '{}')
     RETURNS idem_outbox_event

@@ -19,6 +19,13 @@ WHERE dead_at IS NOT NULL AND done_at IS NULL;
 COMMENT ON VIEW idempotency.inbox_dead IS
     'dead-lettered inbox messages (idem_inbox_replay() makes them claimable again)';
 
+-- The dead messages an operator may see (its sources), without a right on
+-- the view: src/delivery/dead_letters.c.
+CREATE OR REPLACE FUNCTION idem_inbox_dead() RETURNS SETOF idempotency.inbox_dead
+    AS 'MODULE_PATHNAME', 'idem_inbox_dead' LANGUAGE C VOLATILE PARALLEL UNSAFE;
+COMMENT ON FUNCTION idem_inbox_dead() IS
+    'dead-lettered inbox messages of the sources the caller''s operator capability covers';
+
 CREATE OR REPLACE FUNCTION idem_inbox_receive(source text, message_id text, payload jsonb,
                                               headers jsonb DEFAULT '{}')
     RETURNS boolean

@@ -26,14 +26,9 @@ SQL
 
 echo "capabilities bench: $ROUNDS interleaved rounds of ${SECS}s per role and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for script in claims_new_idem claims_dup_idem requests_new_idem; do
-    base=() cand=()
     owner() { bench_tps "$script.sql"; }
     app() { bench_tps "$script.sql" -U bench_app; }
-    for r in $(seq "$ROUNDS"); do
-        bench_pair "$r" owner app
-        base+=("$b") cand+=("$c")
-        printf '  %s round %d: owner %.0f tps, handler role %.0f tps\n' "$script" "$r" "$b" "$c"
-    done
+    bench_rounds "$script" owner "handler role" owner app
     bench_ratio "capabilities, $script" "handler role" "${cand[@]}" -- "owner" "${base[@]}"
 done
 

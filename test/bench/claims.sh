@@ -20,14 +20,9 @@ bench_claims_setup
 
 echo "claims bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new dup; do
-    base=() cand=()
     plain() { bench_tps "claims_${case}_plain.sql"; }
     idem() { bench_tps "claims_${case}_idem.sql"; }
-    for r in $(seq "$ROUNDS"); do
-        bench_pair "$r" plain idem
-        base+=("$b") cand+=("$c")
-        printf '  %s keys round %d: INSERT ON CONFLICT %.0f tps, idem_claim %.0f tps\n' "$case" "$r" "$b" "$c"
-    done
+    bench_rounds "$case keys" "INSERT ON CONFLICT" idem_claim
     label=$([[ $case == new ]] && echo "new keys" || echo "duplicate keys")
     bench_ratio "claims $label" idem_claim "${cand[@]}" -- "INSERT ON CONFLICT" "${base[@]}"
 done

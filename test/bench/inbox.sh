@@ -26,9 +26,7 @@ dir=$(cd "$(dirname "$0")" && pwd)
 
 CASES=${IDEM_INBOX_CASES:-new dup key}
 
-psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+bench_setup <<'SQL'
 DROP TABLE IF EXISTS bench_inbox_plain, bench_inbox_seq;
 CREATE TABLE bench_inbox_plain (
     id           uuid DEFAULT gen_random_uuid() PRIMARY KEY,
@@ -53,18 +51,13 @@ SQL
 
 echo "inbox bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in $CASES; do
-    base=() cand=()
     # the baseline's claims scope, passed as a variable (pgbench would take
     # the colon in a literal 'inbox:...' for one)
     scope=inbox:plain
     [[ $case == new ]] && scope=inbox:bench
     plain() { bench_tps "inbox_${case}_plain.sql" -D scope="$scope"; }
     idem() { bench_tps "inbox_${case}_idem.sql"; }
-    for r in $(seq "$ROUNDS"); do
-        bench_pair "$r" plain idem
-        base+=("$b") cand+=("$c")
-        printf '  %s round %d: idem_claim + INSERT %.0f tps, idem_inbox_receive %.0f tps\n' "$case" "$r" "$b" "$c"
-    done
+    bench_rounds "$case" "idem_claim + INSERT" idem_inbox_receive
     case $case in
         new) label="new messages" ;;
         dup) label="duplicate messages" ;;

@@ -18,6 +18,16 @@
 #                         baseline first in odd rounds and second in even
 #                         ones (going first or second costs a few %);
 #                         sets b and c
+# bench_rounds LABEL BASE_NAME CAND_NAME [BASE_FN CAND_FN]
+#                         ROUNDS rounds of bench_pair over the shell
+#                         functions BASE_FN and CAND_FN (default plain and
+#                         idem), each round's tps printed as "LABEL round N:
+#                         BASE_NAME x tps, CAND_NAME y tps"; leaves the tps
+#                         in the arrays base and cand (for bench_ratio)
+# bench_setup             runs the SQL on its standard input (quiet, stopping
+#                         at the first error) after SET client_min_messages
+#                         = warning and CREATE EXTENSION IF NOT EXISTS
+#                         idempotency
 # bench_claims_setup      the claims benches' tables: bench_plain, the
 #                         hand-written (scope, key) baseline, and keys
 #                         1..10000 claimed and inserted beforehand in both
@@ -90,10 +100,23 @@ bench_pair() {
     fi
 }
 
+bench_rounds() {
+    local r
+    base=() cand=()
+    for r in $(seq "$ROUNDS"); do
+        bench_pair "$r" "${4:-plain}" "${5:-idem}"
+        base+=("$b") cand+=("$c")
+        printf '  %s round %d: %s %.0f tps, %s %.0f tps\n' "$1" "$r" "$2" "$b" "$3" "$c"
+    done
+}
+
+bench_setup() {
+    { printf 'SET client_min_messages = warning;\nCREATE EXTENSION IF NOT EXISTS idempotency;\n'; cat; } |
+        psql -X -q -v ON_ERROR_STOP=1 >/dev/null
+}
+
 bench_claims_setup() {
-    psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+    bench_setup <<'SQL'
 DROP TABLE IF EXISTS bench_plain;
 CREATE TABLE bench_plain (
     scope      text,

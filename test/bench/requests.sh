@@ -19,9 +19,7 @@ set -euo pipefail
 dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
-psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+bench_setup <<'SQL'
 DROP TABLE IF EXISTS bench_requests;
 CREATE TABLE bench_requests (
     scope           text,
@@ -58,14 +56,9 @@ SQL
 
 echo "requests bench: $ROUNDS interleaved rounds of ${SECS}s per method and case, $CLIENTS clients, -M prepared, synchronous_commit=off"
 for case in new replay; do
-    base=() cand=()
     plain() { bench_tps "requests_${case}_plain.sql"; }
     idem() { bench_tps "requests_${case}_idem.sql"; }
-    for r in $(seq "$ROUNDS"); do
-        bench_pair "$r" plain idem
-        base+=("$b") cand+=("$c")
-        printf '  %s round %d: hand-written %.0f tps, idem_request_* %.0f tps\n' "$case" "$r" "$b" "$c"
-    done
+    bench_rounds "$case" hand-written "idem_request_*"
     if [[ $case == new ]]; then
         bench_ratio "requests, new keys" "idem_request_begin + complete" "${cand[@]}" -- \
             "INSERT ON CONFLICT + UPDATE" "${base[@]}"

@@ -1,10 +1,7 @@
 -- pgTAP: the public API of claims and retention settings (SPEC.md §1-2):
 -- names, signatures, return types, the claims relation, and the basic
 -- outcomes and error codes.  Runs in one transaction that rolls back.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(49);
 

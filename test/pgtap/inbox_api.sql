@@ -4,10 +4,7 @@
 -- idem_inbox_extend (fenced like idem_outbox_extend).  Runs in one
 -- transaction that rolls back; time moves (always forward) with the
 -- test-only setting idempotency.debug_clock_offset.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(35);
 

@@ -7,10 +7,7 @@
 -- shifts the extension's clock (leases, retry times, created_at).  Each block
 -- uses its own aggregate types and claims only those, so blocks do not see
 -- each other's events.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 -- load the library (it defines the settings)
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
@@ -93,6 +90,20 @@ $$;
 CREATE FUNCTION pg_temp.setting(text, text) RETURNS text LANGUAGE sql AS $$
     SELECT set_config('idempotency.' || $1, $2, true)
 $$;
+-- failure cycle N of aggregate type $1: claim its batch, nack the first
+-- event with error 'fail N' and retry_after $3 (the lease token fences it)
+CREATE FUNCTION pg_temp.fail_head(text, int, interval) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    ids uuid[];
+    tok uuid;
+BEGIN
+    SELECT array_agg(id), (array_agg(lease_token))[1] INTO ids, tok
+      FROM idem_outbox_claim(10, '30 seconds', ARRAY[$1]);
+    IF tok IS NULL THEN
+        RAISE EXCEPTION '% cycle %: nothing claimed', $1, $2;
+    END IF;
+    PERFORM idem_outbox_nack(ids[1], 'fail ' || $2, $3, tok);
+END $$;
 
 -- 1. objects ----------------------------------------------------------------
 
@@ -538,17 +549,9 @@ SELECT pg_temp.setting('outbox_max_attempts', '1000') \g /dev/null
 SELECT count(*) FROM idem_outbox_emit('bo', 'b1', 'x', '{}') \g /dev/null
 CREATE TEMP TABLE backoff (n int, secs int);
 DO $$
-DECLARE
-    ids uuid[];
-    tok uuid;
 BEGIN
     FOR i IN 1..14 LOOP
-        SELECT array_agg(id), (array_agg(lease_token))[1] INTO ids, tok
-          FROM idem_outbox_claim(10, '30 seconds', ARRAY['bo']);
-        IF tok IS NULL THEN
-            RAISE EXCEPTION 'backoff cycle %: nothing claimed', i;
-        END IF;
-        PERFORM idem_outbox_nack(ids[1], 'fail ' || i, NULL, tok);
+        PERFORM pg_temp.fail_head('bo', i, NULL);
         INSERT INTO pg_temp.backoff
         SELECT i, round(extract(epoch FROM retry_at - pg_temp.ext_now()))::int
           FROM idempotency.outbox_deliveries WHERE aggregate_type = 'bo';
@@ -567,17 +570,9 @@ SELECT pg_temp.setting('outbox_max_attempts', '10') \g /dev/null
 SELECT count(*) FROM idem_outbox_emit('dd', 'd1', 'x', '{}') \g /dev/null
 CREATE TEMP TABLE dead_after (n int, dead int);
 DO $$
-DECLARE
-    ids uuid[];
-    tok uuid;
 BEGIN
     FOR i IN 1..10 LOOP
-        SELECT array_agg(id), (array_agg(lease_token))[1] INTO ids, tok
-          FROM idem_outbox_claim(10, '30 seconds', ARRAY['dd']);
-        IF tok IS NULL THEN
-            RAISE EXCEPTION 'dead letter cycle %: nothing claimed', i;
-        END IF;
-        PERFORM idem_outbox_nack(ids[1], 'fail ' || i, '0', tok);
+        PERFORM pg_temp.fail_head('dd', i, '0');
         INSERT INTO pg_temp.dead_after
         SELECT i, count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'dd';
     END LOOP;

@@ -6,10 +6,7 @@
 -- expected set, so a new SECURITY DEFINER function or a new grant cannot
 -- slip in unnoticed: whoever adds one updates this file, and says why in
 -- the commit.  Runs in one transaction that rolls back.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(7);
 
@@ -61,6 +58,7 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_guard_transitions(regclass,name,jsonb,text)',
                 'idem_guard_version(regclass,name,text)',
                 'idem_inbox_claim(integer,interval,text[])',
+                'idem_inbox_dead()',
                 'idem_inbox_done(uuid[],uuid)',
                 'idem_inbox_extend(uuid,interval)',
                 'idem_inbox_fail(uuid,text,interval,uuid)',
@@ -70,6 +68,7 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_maintain()',
                 'idem_outbox_ack(uuid[],uuid)',
                 'idem_outbox_claim(integer,interval,text[])',
+                'idem_outbox_dead()',
                 'idem_outbox_discard(uuid[])',
                 'idem_outbox_emit(text,text,text,jsonb,jsonb)',
                 'idem_outbox_emit_many(text,text[],text[],jsonb[],jsonb[])',

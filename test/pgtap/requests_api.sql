@@ -2,10 +2,7 @@
 -- signatures with their argument names and defaults, return types, the
 -- requests relation, the error codes of §7 for each outcome, and that
 -- no function is SECURITY DEFINER.  Runs in one transaction that rolls back.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(95);
 

@@ -4,10 +4,7 @@
 -- search_path, read only), and what the views answer without preload (the
 -- pgTAP cluster does not preload the library).  Runs in one transaction
 -- that rolls back.
-BEGIN;
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS pgtap;
-CREATE EXTENSION IF NOT EXISTS idempotency;
+\ir include/begin.sql
 
 SELECT plan(24);
 

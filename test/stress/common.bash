@@ -6,7 +6,20 @@
 #   fail MSG      report a failed check (sets failed=1)
 #   maintain_alongside
 #                 run idem_maintain() every half second in the background
-#                 (errors go to $tmp/maintain.err, which the caller checks)
+#                 (errors go to $tmp/maintain.err; maintain_stop checks it)
+#   maintain_stop stop maintain_alongside; fail if idem_maintain() failed
+#   pgbench_loop NAME SECONDS SCRIPT OUT [PGBENCH_ARGS...]
+#                 one pgbench client looping SCRIPT for SECONDS in the
+#                 background as application NAME (notices hidden), output
+#                 to $tmp/OUT ($! is its pid)
+#   pgbench_report LABEL OUT RC
+#                 print the summary of pgbench's output $tmp/OUT; fail if
+#                 its exit status RC is not 0 (a client got an error)
+#   check_outputs FILE...
+#                 fail for each pgbench output that reports an error
+#   wait_drained SECONDS SQL
+#                 poll SQL every half second until it returns t, for at
+#                 most SECONDS; sets drained (t or f) and drain_secs
 #   pgbench_end PCT_VAR [SQL]
 #                 the end of a pgbench transaction script: when :r <= :PCT_VAR,
 #                 run SQL (if given) and ROLLBACK, else COMMIT
@@ -52,5 +65,48 @@ maintain_alongside() {
             sleep 0.5
         done
     ) &
-    bg_pids+=($!)
+    maintain_pid=$!
+    bg_pids+=("$maintain_pid")
+}
+
+maintain_stop() {
+    kill "$maintain_pid" 2>/dev/null || true
+    if [[ -s $tmp/maintain.err ]]; then
+        head -n 5 "$tmp/maintain.err"
+        fail "idem_maintain() failed during the run"
+    fi
+}
+
+pgbench_loop() {
+    local name=$1 secs=$2 script=$3 out=$4
+    shift 4
+    PGAPPNAME=$name PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" \
+        pgbench -n -M extended -c 1 -T "$secs" "$@" -f "$script" >"$tmp/$out" 2>&1 &
+}
+
+pgbench_report() {
+    grep -E 'processed|failed|tps|aborted' "$tmp/$2" | sed "s/^/  $1: /" || true
+    [[ $3 -eq 0 ]] || { tail -n 20 "$tmp/$2"; fail "$1: pgbench exited with status $3 (a client got an error)"; }
+}
+
+check_outputs() {
+    local f
+    for f in "$@"; do
+        [[ -e $f ]] || continue
+        if grep -qE 'ERROR|aborted' "$f"; then
+            grep -E "ERROR|DETAIL|aborted|error" "$f" | head -n 10 | sed "s/^/    /"
+            fail "$(basename "$f" .out) reported an error"
+        fi
+    done
+}
+
+wait_drained() {
+    local start=$SECONDS
+    drained=f
+    while ((SECONDS - start < $1)); do
+        drained=$(sql -c "$2")
+        [[ $drained == t ]] && break
+        sleep 0.5
+    done
+    drain_secs=$((SECONDS - start))
 }

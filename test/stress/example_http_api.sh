@@ -31,12 +31,16 @@ cd "$(dirname "$0")/../.."
 EX=examples/http-api
 . test/stress/examples.bash
 
+# the API runs as the role schema.sql made, with the grants it shows and
+# nothing else (the provider uses no database)
+APP_ROLE=payments_api
+
 # serve NAME PORT SCRIPT ARGS...: start an example server in the background
-# and wait until it prints its URL; sets URL
+# (as APP_ROLE) and wait until it prints its URL; sets URL
 serve() {
     local name=$1 port=$2
     shift 2
-    "$PY" "$@" --port "$port" >"$tmp/$name.log" 2>&1 &
+    PGUSER=$APP_ROLE "$PY" "$@" --port "$port" >"$tmp/$name.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 100); do
         URL=$(grep -o 'http://[0-9.]*:[0-9]*' "$tmp/$name.log" | head -n 1 || true)
@@ -62,14 +66,9 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/sch
 cat >"$tmp/check.py" <<'PY'
 import collections, json, queue, random, sys, threading, time, urllib.error, urllib.request
 import psycopg2
+from stress_checks import check, copies_queue, drain, exit_status, sql
 
 phase, API, PROVIDER = sys.argv[1:4]
-failures = 0
-
-def check(cond, msg):
-    global failures
-    print(("ok: " if cond else "FAIL: ") + msg, flush=True)
-    failures += not cond
 
 def post(key, body, timeout=5.0):
     """POST /payments; (status, body bytes, headers).  Timeouts raise."""
@@ -87,16 +86,6 @@ def post(key, body, timeout=5.0):
 def charges():
     with urllib.request.urlopen(PROVIDER + "/charges", timeout=5) as r:
         return {c["key"]: c for c in json.loads(r.read())}
-
-def sql(query, *params):
-    conn = psycopg2.connect("")
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else None
-    finally:
-        conn.close()
 
 def sqlstate(query, *params):
     try:
@@ -190,14 +179,7 @@ def stress(prefix, nkeys, nclients):
     keys = [f"{prefix}-{i:04d}" for i in range(nkeys)]
     bodies = {k: {"customer": f"cus_{i % 37}", "amount": rnd.randint(100, 99999), "currency": "EUR"}
               for i, k in enumerate(keys)}
-    tasks = queue.Queue()
-    ntasks = 0
-    for g in range(0, nkeys, 25):                 # copies of a key land close together
-        chunk = [k for k in keys[g:g + 25] for _ in range(rnd.choice([3, 4]))]
-        rnd.shuffle(chunk)
-        for k in chunk:
-            tasks.put(k)
-        ntasks += len(chunk)
+    tasks, ntasks = copies_queue(keys, 25, rnd)
     answers = collections.defaultdict(list)       # key -> [(status, body, replayed)]
     stats, lock = collections.Counter(), threading.Lock()
     def count(what):
@@ -205,11 +187,7 @@ def stress(prefix, nkeys, nclients):
             stats[what] += 1
 
     def client():
-        while True:
-            try:
-                key = tasks.get_nowait()
-            except queue.Empty:
-                return
+        for key in drain(tasks):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 count("requests")
@@ -279,7 +257,7 @@ if phase == "functional":
     functional()
 else:
     stress(phase, int(sys.argv[4]), int(sys.argv[5]))
-sys.exit(1 if failures else 0)
+sys.exit(exit_status())
 PY
 
 failed=0

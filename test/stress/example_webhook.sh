@@ -32,7 +32,9 @@ LEASE='2 seconds'
 
 psql -X -q -v ON_ERROR_STOP=1 -c 'SET client_min_messages = warning' -f "$EX/schema.sql"
 
-"$PY" "$EX/receiver.py" --port "$PORT" >"$tmp/receiver.log" 2>&1 &
+# the receiver and the workers run as the roles schema.sql made, with the
+# grants it shows and nothing else
+PGUSER=webhook_receiver "$PY" "$EX/receiver.py" --port "$PORT" >"$tmp/receiver.log" 2>&1 &
 pids+=($!)
 URL=''
 for _ in $(seq 100); do
@@ -44,7 +46,7 @@ done
 
 # worker N: start worker wN in the background; sets WPID
 worker() {
-    "$PY" "$EX/worker.py" --name "w$1" --batch 10 --lease "$LEASE" --poll 0.1 --fail-rate 0.05 \
+    PGUSER=webhook_worker "$PY" "$EX/worker.py" --name "w$1" --batch 10 --lease "$LEASE" --poll 0.1 --fail-rate 0.05 \
         >>"$tmp/worker$1.log" 2>&1 &
     WPID=$!
     pids+=("$WPID")
@@ -55,14 +57,9 @@ worker 2
 cat >"$tmp/check.py" <<'PY'
 import collections, json, pickle, queue, random, sys, threading, time, urllib.error, urllib.request
 import psycopg2
+from stress_checks import check, exit_status, sql
 
 phase, URL, STATE = sys.argv[1:4]
-failures = 0
-
-def check(cond, msg):
-    global failures
-    print(("ok: " if cond else "FAIL: ") + msg, flush=True)
-    failures += not cond
 
 def deliver(source, delivery_id, body, ordering_key=None):
     """POST a webhook until it is answered, retrying errors for up to 20 s; (status, json body)."""
@@ -85,16 +82,6 @@ def deliver(source, delivery_id, body, ordering_key=None):
             if time.monotonic() > deadline:
                 return None, {"error": repr(e)}
         time.sleep(0.2)
-
-def sql(query, *params):
-    conn = psycopg2.connect("")
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall()
-    finally:
-        conn.close()
 
 def wait_applied(n, where="true", timeout=90):
     deadline = time.monotonic() + timeout
@@ -201,7 +188,6 @@ def send():
         pickle.dump((sent, dict(ordered)), f)
 
 def verify():
-    global failures
     with open(STATE, "rb") as f:
         sent, ordered = pickle.load(f)
     t0 = time.monotonic()
@@ -237,7 +223,7 @@ def verify():
         pass
 
 {"functional": functional, "send": send, "verify": verify}[phase]()
-sys.exit(1 if failures else 0)
+sys.exit(exit_status())
 PY
 
 failed=0

@@ -157,9 +157,8 @@ PGBENCH
 
 # worker W SECONDS OUT: one worker in the background ($! is its pid)
 worker() {
-    PGAPPNAME=worker$1 PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" \
-        pgbench -n -M extended -c 1 -T "$2" -D w="$1" -D batch="$BATCH" -D lease="$LEASE" \
-        -D fail_pct="$FAIL_PCT" -f "$tmp/worker.sql" >"$tmp/$3" 2>&1 &
+    pgbench_loop "worker$1" "$2" "$tmp/worker.sql" "$3" -D w="$1" -D batch="$BATCH" -D lease="$LEASE" \
+        -D fail_pct="$FAIL_PCT"
 }
 
 maintain_alongside
@@ -175,33 +174,17 @@ bg_pids+=("$w1" "$w2" "$w3")
 rc=0
 pgbench -n -M extended -c "$CLIENTS" -j 2 -T "$SECONDS_RUN" -D nmsg="$NMSG" -D nkeys="$NKEYS" \
     -D rollback_pct="$ROLLBACK_PCT" -f "$tmp/receive.sql" >"$tmp/receive.out" 2>&1 || rc=$?
-grep -E 'processed|failed|tps|aborted' "$tmp/receive.out" | sed 's/^/  receivers: /' || true
-[[ $rc -eq 0 ]] || { tail -n 20 "$tmp/receive.out"; fail "receivers: pgbench exited with status $rc (a client got an error)"; }
+pgbench_report receivers receive.out "$rc"
 
-drain_start=$SECONDS
-drained=f
-while ((SECONDS - drain_start < DRAIN)); do
-    drained=$(sql -c "SELECT NOT EXISTS (SELECT FROM idempotency.inbox_messages WHERE done_at IS NULL)")
-    [[ $drained == t ]] && break
-    sleep 0.5
-done
-echo "workers drained the inbox $((SECONDS - drain_start))s after the receivers stopped"
+wait_drained "$DRAIN" "SELECT NOT EXISTS (SELECT FROM idempotency.inbox_messages WHERE done_at IS NULL)"
+echo "workers drained the inbox ${drain_secs}s after the receivers stopped"
 [[ $drained == t ]] || fail "the workers did not process everything within ${DRAIN}s after the receivers stopped"
 for p in "$w1" "$w2" "$w3"; do
     kill "$p" 2>/dev/null || fail "a worker's pgbench ended before the inbox was drained"
     wait "$p" 2>/dev/null || true
 done
-for f in "$tmp"/worker[123].out; do
-    if grep -qE 'ERROR|aborted' "$f"; then
-        grep -E "ERROR|DETAIL|aborted|error" "$f" | head -n 10 | sed "s/^/    /"
-        fail "$(basename "$f" .out) reported an error"
-    fi
-done
-kill "${bg_pids[0]}" 2>/dev/null || true     # maintenance
-if [[ -s $tmp/maintain.err ]]; then
-    head -n 5 "$tmp/maintain.err"
-    fail "idem_maintain() failed during the run"
-fi
+check_outputs "$tmp"/worker[123].out
+maintain_stop
 
 read -r receives stored dups messages keyed parts claims fails late extends extended <<<"$(sql -F ' ' -c "
 SELECT (SELECT count(*) FROM stress_received),

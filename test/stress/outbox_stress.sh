@@ -229,9 +229,8 @@ PGBENCH
 # relay RELAY SECONDS ACK_DELAY_MS OUT: one relay in the background ($! is
 # its pid), output to $tmp/OUT
 relay() {
-    PGAPPNAME=relay$1 PGOPTIONS="$PGOPTIONS -c client_min_messages=warning" \
-        pgbench -n -M extended -c 1 -T "$2" -D relay="$1" -D batch="$BATCH" -D lease="$LEASE" \
-        -D ack_delay="$3" -f "$tmp/relay.sql" >"$tmp/$4" 2>&1 &
+    pgbench_loop "relay$1" "$2" "$tmp/relay.sql" "$4" -D relay="$1" -D batch="$BATCH" -D lease="$LEASE" \
+        -D ack_delay="$3"
 }
 
 maintain_alongside
@@ -319,19 +318,14 @@ fi
 
 rc=0
 wait "$emit_pid" || rc=$?
-grep -E 'processed|failed|tps|aborted' "$tmp/emit.out" | sed 's/^/  emitters: /' || true
-[[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit.out"; fail "emitters: pgbench exited with status $rc (a client got an error)"; }
+pgbench_report emitters emit.out "$rc"
 rc=0
 wait "$emit2pc_pid" || rc=$?
-grep -E 'processed|failed|tps|aborted' "$tmp/emit2pc.out" | sed 's/^/  two-phase emitter: /' || true
-[[ $rc -eq 0 ]] || { tail -n 20 "$tmp/emit2pc.out"; fail "two-phase emitter: pgbench exited with status $rc (a client got an error)"; }
+pgbench_report "two-phase emitter" emit2pc.out "$rc"
 wait "$switch_pid" || fail "the switch to policy 'skip' failed"
 expect_zero "prepared transactions left" "SELECT count(*) FROM pg_prepared_xacts" "SELECT gid FROM pg_prepared_xacts"
 # the relays drain what is left, then stop
-drain_start=$SECONDS
-drained=f
-while ((SECONDS - drain_start < DRAIN)); do
-    drained=$(sql -c "SELECT NOT EXISTS (SELECT FROM stress_emitted s
+wait_drained "$DRAIN" "SELECT NOT EXISTS (SELECT FROM stress_emitted s
                                          WHERE (s.payload->>'poison')::boolean IS NOT TRUE
                                            AND NOT EXISTS (SELECT FROM consumer_log c WHERE c.id = s.id))
                         AND (SELECT coalesce(sum(acked), 0) FROM ack_log)
@@ -339,28 +333,15 @@ while ((SECONDS - drain_start < DRAIN)); do
                         AND NOT EXISTS (SELECT FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m
                                                      FROM stress_emitted GROUP BY 1, 2) e
                                         LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
-                                        WHERE d.acked_seq IS DISTINCT FROM e.m)")
-    [[ $drained == t ]] && break
-    sleep 0.5
-done
-echo "relays drained the outbox $((SECONDS - drain_start))s after the emitters stopped"
+                                        WHERE d.acked_seq IS DISTINCT FROM e.m)"
+echo "relays drained the outbox ${drain_secs}s after the emitters stopped"
 [[ $drained == t ]] || fail "the relays did not deliver and ack everything within ${DRAIN}s after the emitters stopped"
 for p in "$r1" "$r2" "$r3" "${r4b:-$r4}"; do
     kill "$p" 2>/dev/null || fail "a relay's pgbench ended before the outbox was drained"
     wait "$p" 2>/dev/null || true
 done
-for f in "$tmp"/relay[1234].out; do
-    [[ -e $f ]] || continue
-    if grep -qE 'ERROR|aborted' "$f"; then
-        grep -E "ERROR|DETAIL|aborted|error" "$f" | head -n 10 | sed "s/^/    /"
-        fail "$(basename "$f" .out) reported an error"
-    fi
-done
-kill "${bg_pids[0]}" 2>/dev/null || true     # maintenance
-if [[ -s $tmp/maintain.err ]]; then
-    head -n 5 "$tmp/maintain.err"
-    fail "idem_maintain() failed during the run"
-fi
+check_outputs "$tmp"/relay[1234].out
+maintain_stop
 
 read -r emitted events published pubs claims aggs parts <<<"$(sql -F ' ' -c "
 SELECT (SELECT count(*) FROM stress_emitted),

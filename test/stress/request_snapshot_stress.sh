@@ -27,11 +27,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
-PY=${IDEM_PYTHON:-/usr/bin/python3}
-[[ -x $PY ]] || PY=python3
-"$PY" -c 'import psycopg2' || { echo "FAIL: $PY cannot import psycopg2 (Debian: python3-psycopg2)"; exit 1; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+. test/stress/examples.bash
 
 psql -X -q -v ON_ERROR_STOP=1 <<'SQL'
 SET client_min_messages = warning;
@@ -44,18 +40,13 @@ SQL
 cat >"$tmp/stress.py" <<'PY'
 import collections, json, os, queue, random, sys, threading, time
 import psycopg2, psycopg2.extras
+from stress_checks import check, copies_queue, drain, exit_status
 
 psycopg2.extras.register_default_jsonb(globally=True, loads=lambda s: s)
 NKEYS = int(os.environ.get("IDEM_STRESS_KEYS", "1500"))
 NCLIENTS = int(os.environ.get("IDEM_STRESS_CLIENTS", "18"))
 LEVELS = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"]
 RETRY = {"IK002", "IK003", "40001", "40P01"}
-failures = 0
-
-def check(cond, msg):
-    global failures
-    print(("ok: " if cond else "FAIL: ") + msg, flush=True)
-    failures += not cond
 
 stats, lock = collections.Counter(), threading.Lock()
 replays = collections.defaultdict(set)      # key -> responses handed back as 'completed'
@@ -145,11 +136,7 @@ def client(n, tasks):
     rnd = random.Random(n)
     conn = psycopg2.connect("")
     conn.autocommit = True
-    while True:
-        try:
-            key = tasks.get_nowait()
-        except queue.Empty:
-            break
+    for key in drain(tasks):
         deadline = time.monotonic() + 60
         while True:
             level = rnd.choice(LEVELS)
@@ -192,14 +179,7 @@ def maintenance(stop):
 
 rnd = random.Random(7)
 keys = [f"k-{i:04d}" for i in range(NKEYS)]
-tasks = queue.Queue()
-ntasks = 0
-for g in range(0, NKEYS, 20):                     # copies of a key land close together
-    chunk = [k for k in keys[g:g + 20] for _ in range(rnd.choice([3, 4]))]
-    rnd.shuffle(chunk)
-    for k in chunk:
-        tasks.put(k)
-    ntasks += len(chunk)
+tasks, ntasks = copies_queue(keys, 20, rnd)
 stop = threading.Event()
 mt = threading.Thread(target=maintenance, args=(stop,))
 mt.start()
@@ -250,7 +230,7 @@ print(f"the requests went into {parts} partitions")
 check(stats["replays of effects the snapshot could not see"] > 0
       and stats["40001 at REPEATABLE READ"] + stats["40001 at SERIALIZABLE"] > 0,
       "snapshots older than another client's request were met: replayed, or 40001 and retried")
-sys.exit(1 if failures else 0)
+sys.exit(exit_status())
 PY
 
 "$PY" "$tmp/stress.py"

@@ -62,11 +62,11 @@ $standby->wait_for_log(
 $standby->wait_for_log(qr/idempotency maintenance: create idempotency\.claims_/);
 my ($created) = slurp_file($standby->logfile) =~
   /idempotency maintenance: create (idempotency\.claims_\w+)/;
-is( $standby->safe_psql(
+# the action is logged before its round commits: wait for the commit
+ok( $standby->poll_query_until(
 		'postgres',
-		"SELECT count(*) FROM idempotency.partition_registry WHERE relid = to_regclass('$created')"
+		"SELECT count(*) = 1 FROM idempotency.partition_registry WHERE relid = to_regclass('$created')"
 	),
-	'1',
 	"promoted: worker created and registered partition $created");
 ok(wait_partitions_ahead($standby, 'postgres'),
 	'promoted: worker keeps partitions ahead of now');

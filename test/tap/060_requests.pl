@@ -27,13 +27,14 @@ $node->safe_psql($db, 'CREATE EXTENSION idempotency');
 
 sub sql { return $node->safe_psql($db, $_[0]); }
 
-# start a begin with a wait in the background; returns the session
+# start a begin with a wait in the background (after the SQL $before, and
+# with $after once it printed its marker); returns the session
 sub begin_waiting
 {
-	my ($name, $key, $wait) = @_;
+	my ($name, $key, $wait, $before, $after) = @_;
 	my $s = bg_psql($node, $db, $name, $timer, '\set ON_ERROR_STOP 0');
-	bg_feed($s, "SELECT status || ':' || attempt || ':' || coalesce(response::text, '')"
-		  . " FROM idem_request_begin('$key', 'api', wait => '$wait');\n\\echo $name-done");
+	bg_feed($s, ($before // '') . "SELECT status || ':' || attempt || ':' || coalesce(response::text, '')"
+		  . " FROM idem_request_begin('$key', 'api', wait => '$wait');\n\\echo $name-done" . ($after // ''));
 	return $s;
 }
 
@@ -56,20 +57,29 @@ sub still_waiting
 
 # ---------------- wait ----------------
 # 1. the holder completes during the wait: the waiter replays its response
-sql("SELECT idem_request_begin('w1', 'api', lease => '1 minute')");
-my $t0 = time;
-my $w1 = begin_waiting('w1', 'w1', '30 seconds');
-sleep 1;
-ok(still_waiting('w1'), 'a begin with a wait waits while another attempt holds a live lease');
-sql(q{SELECT idem_request_complete('w1', 'api', '{"id": "r1"}', 1, 201)});
-like(finish($w1, 'w1-done'), qr/^completed:1:\{"id": "r1"\}$/m,
+# waiter_replays(KEY, WAITS, REPLAYS, BEFORE, AFTER): another attempt holds
+# KEY with a live lease; a begin with a wait (BEFORE and AFTER around it, as
+# in begin_waiting) waits (test WAITS), and replays the response as soon as
+# the holder completes (test REPLAYS)
+sub waiter_replays
+{
+	my ($key, $waits, $replays, $before, $after) = @_;
+	sql("SELECT idem_request_begin('$key', 'api', lease => '1 minute')");
+	my $t0 = time;
+	my $s = begin_waiting($key, $key, '30 seconds', $before, $after);
+	sleep 1;
+	ok(still_waiting($key), $waits);
+	sql(qq{SELECT idem_request_complete('$key', 'api', '{"id": "r$key"}', 1, 201)});
+	like(finish($s, "$key-done"), qr/^completed:1:\{"id": "r$key"\}$/m, $replays);
+	cmp_ok(time - $t0, '<', 10, '... soon after the completion, not at the end of the wait');
+	$s->{h}->finish;
+}
+waiter_replays('w1', 'a begin with a wait waits while another attempt holds a live lease',
 	'... and replays the response once the holder completes');
-cmp_ok(time - $t0, '<', 10, '... soon after the completion, not at the end of the wait');
-$w1->{h}->finish;
 
 # 2. the lease runs out during the wait: the waiter takes over as attempt 2
 sql("SELECT idem_request_begin('w2', 'api', lease => '2 seconds')");
-$t0 = time;
+my $t0 = time;
 my $w2 = begin_waiting('w2', 'w2', '30 seconds');
 like(finish($w2, 'w2-done'), qr/^started:2:$/m,
 	'a begin with a wait takes over when the lease runs out during the wait');
@@ -88,19 +98,9 @@ cmp_ok($took, '>=', 1.4, '... after the whole wait');
 
 # 4. under REPEATABLE READ, with a snapshot from before the completion: the
 # waiter still replays the response as soon as the holder completes
-sql("SELECT idem_request_begin('w4', 'api', lease => '1 minute')");
-my $w4 = bg_psql($node, $db, 'w4', $timer, '\set ON_ERROR_STOP 0');
-$t0 = time;
-bg_feed($w4, "BEGIN ISOLATION LEVEL REPEATABLE READ;\nSELECT count(*) FROM idempotency.requests;\n"
-	  . "SELECT status || ':' || attempt || ':' || coalesce(response::text, '')"
-	  . " FROM idem_request_begin('w4', 'api', wait => '30 seconds');\n\\echo w4-done\nCOMMIT;");
-sleep 1;
-ok(still_waiting('w4'), 'a begin with a wait under REPEATABLE READ waits for a live lease');
-sql(q{SELECT idem_request_complete('w4', 'api', '{"id": "r4"}', 1, 201)});
-like(finish($w4, 'w4-done'), qr/^completed:1:\{"id": "r4"\}$/m,
-	'... and replays the response its snapshot cannot see once the holder completes');
-cmp_ok(time - $t0, '<', 10, '... soon after the completion, not at the end of the wait');
-$w4->{h}->finish;
+waiter_replays('w4', 'a begin with a wait under REPEATABLE READ waits for a live lease',
+	'... and replays the response its snapshot cannot see once the holder completes',
+	"BEGIN ISOLATION LEVEL REPEATABLE READ;\nSELECT count(*) FROM idempotency.requests;\n", "\nCOMMIT;");
 
 # ---------------- crash ----------------
 sql(q{

@@ -96,6 +96,8 @@ INSERT INTO calls (fn, sql) VALUES
   ('idem_outbox_redrive', format($$SELECT idem_outbox_redrive(ARRAY[%L::uuid])$$, :'ev1')),
   ('idem_outbox_discard', format($$SELECT idem_outbox_discard(ARRAY[%L::uuid])$$, :'ev1')),
   ('idem_inbox_replay', $$SELECT idem_inbox_replay('src', '-infinity', 'infinity')$$),
+  ('idem_outbox_dead', $$SELECT count(*) FROM idem_outbox_dead()$$),
+  ('idem_inbox_dead', $$SELECT count(*) FROM idem_inbox_dead()$$),
   ('idem_maintain', $$SELECT count(*) >= 0 FROM idem_maintain()$$),
   ('idem_configure', $$SELECT idem_configure(premake => 3)$$),
   ('idem_stats_reset', $$SELECT idem_stats_reset()$$),

@@ -2,12 +2,10 @@
 -- guard of its own) replays a shuffled stream with duplicates into a guarded
 -- table and ends exactly where the ordered stream ends.  The same stream into
 -- an unguarded table is the control: it must end somewhere else.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_c;
-SET search_path = guard_c, public;
-SELECT idempotency.guard_stats_reset();
+\getenv abs_srcdir PG_ABS_SRCDIR
+\set guard_schema guard_c
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
 
 ---- versions ----
 -- 50 accounts x 20 versions, each event a full snapshot of the account
@@ -235,8 +233,4 @@ SELECT c.* FROM (VALUES
         ('guard_c.order_label', '{pending,dispatched,delivered}')) t(typ, labels),
      LATERAL converge_states(t.typ, t.labels) c;
 
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_c CASCADE;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\i :guard_teardown

@@ -1,14 +1,8 @@
 -- idem_upsert() and idem_transition(): outcomes, bad input, privileges.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_h;
-SET search_path = guard_h, public;
-SELECT idempotency.guard_stats_reset();
-
 \getenv abs_srcdir PG_ABS_SRCDIR
-\set try_sql :abs_srcdir '/include/try.sql'
-\i :try_sql
+\set guard_schema guard_h
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
 
 ---- idem_upsert ----
 CREATE TABLE items (id int PRIMARY KEY, name text, qty int, version bigint);
@@ -145,10 +139,5 @@ SELECT pg_temp.try($$SELECT idem_upsert(ROW(2, 'pear', 9, 'y')::items)$$);
 RESET ROLE;
 SELECT * FROM items ORDER BY id;
 
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_h CASCADE;
-DROP ROLE guard_h_reader;
-DROP ROLE guard_h_writer;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\set guard_roles 'guard_h_reader, guard_h_writer'
+\i :guard_teardown

@@ -1,16 +1,11 @@
 -- Guards and helpers on every kind of column: identity keys, state columns
 -- of every type with an equality, generated columns, non-finite versions,
 -- partitions of guarded tables.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_k;
-SET search_path = guard_k, public;
-SET idempotency.guard_log_level = notice;
-
 \getenv abs_srcdir PG_ABS_SRCDIR
-\set try_sql :abs_srcdir '/include/try.sql'
-\i :try_sql
+\set guard_schema guard_k
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
+SET idempotency.guard_log_level = notice;
 
 ---- idem_upsert on a GENERATED ALWAYS AS IDENTITY primary key: the row's key is used ----
 CREATE TABLE ident_items (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, name text, version int);
@@ -200,9 +195,4 @@ SELECT idem_guard_version('parted');
 UPDATE parted SET version = 4 RETURNING *;
 UPDATE parted SET version = 6 RETURNING *;
 
-RESET idempotency.guard_log_level;
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_k CASCADE;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\i :guard_teardown

@@ -3,11 +3,10 @@
 -- keeps working, evicting and rebuilding plans, and holds no more plans than
 -- the bound.  The plans are visible as CachedPlanSource memory contexts,
 -- named by their query text.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_pc;
-SET search_path = guard_pc, public;
+\getenv abs_srcdir PG_ABS_SRCDIR
+\set guard_schema guard_pc
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
 
 CREATE FUNCTION cached_plans(prefix text) RETURNS bigint LANGUAGE sql AS $$
     SELECT count(*) FROM pg_backend_memory_contexts
@@ -78,8 +77,4 @@ ALTER TABLE v1 ADD COLUMN extra text;
 SELECT idem_upsert(ROW(1, 'altered', 3, 'x')::v1);
 SELECT * FROM v1 WHERE id = 1;
 
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_pc CASCADE;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\i :guard_teardown

@@ -1,15 +1,9 @@
 -- Transition guard: idem_guard_transitions() on tables, every outcome.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_t;
-SET search_path = guard_t, public;
-SET idempotency.guard_log_level = notice;
-SELECT idempotency.guard_stats_reset();
-
 \getenv abs_srcdir PG_ABS_SRCDIR
-\set try_sql :abs_srcdir '/include/try.sql'
-\i :try_sql
+\set guard_schema guard_t
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
+SET idempotency.guard_log_level = notice;
 
 CREATE TYPE order_state AS ENUM ('pending', 'dispatched', 'delivered', 'cancelled');
 CREATE TABLE orders (
@@ -138,10 +132,5 @@ UPDATE blind SET state = 'elsewhere';
 \set VERBOSITY terse
 RESET ROLE;
 
-RESET idempotency.guard_log_level;
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_t CASCADE;
-DROP ROLE guard_t_other;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\set guard_roles 'guard_t_other'
+\i :guard_teardown

@@ -1,16 +1,10 @@
 -- Version guard: idem_guard_version() on tables, every outcome.
-SET client_min_messages = warning;
-CREATE EXTENSION IF NOT EXISTS idempotency;
-RESET client_min_messages;
-CREATE SCHEMA guard_v;
-SET search_path = guard_v, public;
+\getenv abs_srcdir PG_ABS_SRCDIR
+\set guard_schema guard_v
+\set setup_sql :abs_srcdir '/include/guard_setup.sql'
+\i :setup_sql
 -- show every skip, with its gap, in the test output
 SET idempotency.guard_log_level = notice;
-SELECT idempotency.guard_stats_reset();
-
-\getenv abs_srcdir PG_ABS_SRCDIR
-\set try_sql :abs_srcdir '/include/try.sql'
-\i :try_sql
 
 CREATE TABLE acct (id int PRIMARY KEY, balance int, version bigint);
 INSERT INTO acct VALUES (1, 10, 5), (2, 20, 5), (3, 30, 5), (4, 40, NULL);
@@ -168,10 +162,5 @@ SELECT * FROM acct WHERE id = 5;
 SELECT idem_unguard('acct');
 SELECT idem_unguard('acct');
 
-RESET idempotency.guard_log_level;
-RESET search_path;
-SET client_min_messages = warning;
-DROP SCHEMA guard_v CASCADE;
-DROP ROLE guard_v_other;
-SET client_min_messages = warning;
-DROP EXTENSION idempotency CASCADE;
+\set guard_roles 'guard_v_other'
+\i :guard_teardown
