@@ -31,7 +31,7 @@ IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgre
                postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
                postgresql-15-plproxy
                libpq-dev libcurl4-openssl-dev libhiredis-dev libnats-dev librabbitmq-dev libmicrohttpd-dev
-               redis-server redis-tools nats-server python3)
+               redis-server redis-tools nats-server rabbitmq-server python3)
 # (the last two lines: idem-relay's client libraries and the brokers its
 # TAP tests start, test/tap/09x_relay_*.pl)
 # what examples/demo/run uses: the server, the build, pg_cron (preloaded)

@@ -74,6 +74,9 @@ amqp_open_sink(void **state, const relay_config *cfg, char *err, size_t errlen)
 		free(url);
 		return -1;
 	}
+	/* "amqp://host/" names the vhost "" (the default one, "/", is %2f) */
+	if (!ci.vhost || !*ci.vhost)
+		ci.vhost = "/";
 	st->exchange = cfg->exchange;
 	st->timeout.tv_sec = (time_t) cfg->timeout;
 	st->timeout.tv_usec = (suseconds_t) ((cfg->timeout - (double) st->timeout.tv_sec) * 1e6);
@@ -167,7 +170,7 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 
 const sink_ops sink_amqp = {
 	.name = "amqp",
-	.default_url = "amqp://guest:guest@127.0.0.1:5672/",
+	.default_url = "amqp://guest:guest@127.0.0.1:5672",
 	.default_target = "outbox.{aggregate_type}.{event_type}",
 	.open = amqp_open_sink,
 	.publish = amqp_publish,
