@@ -7,7 +7,9 @@
 # and the receiver is stopped for 3 seconds and started again (no attempt
 # is spent on an unreachable receiver); then every committed event arrived,
 # none rolled back, first arrivals per aggregate in seq order, duplicates
-# only from lost acks (counted, printed).
+# only from lost acks (counted, printed).  A slow receiver (0.8 s per event
+# of one aggregate, 6 events: longer than the 3-second lease) gets each
+# event once: the relay extends its lease while it waits.
 use strict;
 use warnings;
 
@@ -49,6 +51,7 @@ sub arrivals
 }
 
 my $server = start_server();
+END { local $?; $server->kill_kill if $server && $server->pumpable; }
 my $node = relay_node('relay_http');
 my $emitters = start_emitters($node, 60);
 my @args = ('--sink', 'http', '--url', "http://127.0.0.1:$port/events",
@@ -70,6 +73,12 @@ ok(wait_until(60, sub { @{ arrivals() } >= $before + 200 }), 'delivery resumes o
 emit_poison($node, 'poison');
 ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
 	'an aggregate emitted after the poison event flows');
+
+# 6 events that take 0.8 s each, in one batch: 4.8 s, past the 3-second lease
+$node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+  FROM generate_series(1, 6) g, LATERAL idem_outbox_emit('load', 'slow', 'ev', jsonb_build_object('g', g)) e});
+ok(wait_until(60, sub { 6 <= grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() } }),
+	'the slow receiver got the 6 events');
 stop_emitters($emitters);
 my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
 ok( wait_until(90, sub {
@@ -82,6 +91,9 @@ ok( wait_until(30, sub {
 my $metrics = http_get($relay->{port}, '/metrics');
 like($metrics, qr/^idem_relay_failed_total [1-9]\d*$/m, 'metrics: failed publishes counted (503s, 400s)');
 like($metrics, qr/^idem_relay_dead_lettered_total 1$/m, 'metrics: one event dead-lettered');
+like($metrics, qr/^idem_relay_leases_lost_total 0$/m, 'metrics: no lease lost (extended while the receiver was slow)');
+is(scalar(grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() }), 6,
+	'each slow event arrived once: the lease was extended, not lost');
 ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
 is( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
 	'HTTP 400: poison refused', "the dead letter keeps the receiver's answer");

@@ -62,6 +62,8 @@ sub arrivals
 }
 
 my $redis = start_redis();
+# a test that dies leaves no redis-server behind
+END { local $?; $redis->kill_kill if $redis && $redis->pumpable; }
 IPC::Run::run([ @cli, 'SET', 'outbox:poison', 'not a stream' ], '>', \my $o);
 my $node = relay_node('relay_redis');
 my $emitters = start_emitters($node, 100);

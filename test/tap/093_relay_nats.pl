@@ -112,6 +112,8 @@ sub arrivals
 sub stored { return stream_info()->{state}{messages} // 0; }
 
 my $nats = start_nats();
+# a test that dies leaves no nats-server behind
+END { local $?; $nats->kill_kill if $nats && $nats->pumpable; }
 my ($created) = nats_requests([ '$JS.API.STREAM.CREATE.OUTBOX',
 	'{"name":"OUTBOX","subjects":["outbox.load.>"],"storage":"file","duplicate_window":120000000000}' ]);
 like($created, qr/"name":"OUTBOX"/, 'stream OUTBOX created (2-minute duplicate window)');

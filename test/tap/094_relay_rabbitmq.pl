@@ -84,6 +84,7 @@ sub stop_rabbit
 
 END
 {
+	local $?;
 	if ($rabbit) { stop_rabbit(); }
 	local @ENV{ keys %env } = values %env;
 	system('epmd', '-port', $epmd, '-kill') if $epmd;

@@ -109,6 +109,11 @@ COMMIT;
 
 sub stop_emitters { my ($h) = @_; $h->kill_kill; return; }
 
+# every relay started, killed at the end if still running (a test that
+# dies leaves none behind)
+my @relays;
+END { local $?; $_->{h}->kill_kill for grep { $_->{h}->pumpable } @relays; }
+
 # idem-relay with @args (besides -d, --listen, --poll, --lease and
 # --metrics-listen), stdout appended to $out (a file), stderr to $out.err;
 # returns {h, port}
@@ -123,7 +128,8 @@ sub start_relay
 			'--metrics-listen', "127.0.0.1:$mport", @args
 		],
 		'<', \undef, '>>', $out, '2>>', "$out.err");
-	return { h => $h, port => $mport };
+	push @relays, { h => $h, port => $mport };
+	return $relays[-1];
 }
 
 sub kill_relay

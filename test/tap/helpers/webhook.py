@@ -3,10 +3,12 @@
 # appends each accepted POST body, as one line, to FILE (flushed before the
 # answer).  Answers 400 to events of aggregate type "poison", 503 to every
 # 13th request (a transient failure: not recorded), 400 if the
-# Idempotency-Key header is not the event's id, else 200.
+# Idempotency-Key header is not the event's id, else 200; events of
+# aggregate id "slow" take 0.8 s each (a slow receiver).
 # Usage: webhook.py PORT FILE
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 port, path = int(sys.argv[1]), sys.argv[2]
@@ -34,7 +36,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(400, "poison refused")
         if self.headers.get("Idempotency-Key") != event.get("id"):
             return self.answer(400, "Idempotency-Key is not the event id")
-        if count % 13 == 0:
+        if event.get("aggregate_id") == "slow":
+            time.sleep(0.8)
+        elif count % 13 == 0:
             return self.answer(503, "try later")
         out.write(json.dumps(event) + "\n")
         out.flush()
