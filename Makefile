@@ -114,3 +114,21 @@ $(SQL_UPDATES_BUILT): sql/%: sql/updates/% $(NEW_TABLES) $(SQL_FUNCTIONS) $(SQL_
 	mv $@.tmp $@
 
 $(OBJS): $(wildcard src/*.h src/*/*.h)
+
+# The relay program, tools/idem-relay (doc/relay.md): built by "make",
+# installed into PostgreSQL's bindir by "make install"; its sub-make
+# compiles in the sinks whose libraries pkg-config finds.
+RELAY_MAKE = $(MAKE) -C tools/idem-relay PG_CONFIG='$(PG_CONFIG)' bindir='$(bindir)'
+all: idem-relay
+idem-relay:
+	$(RELAY_MAKE)
+install: install-idem-relay
+install-idem-relay: idem-relay
+	$(RELAY_MAKE) install
+uninstall: uninstall-idem-relay
+uninstall-idem-relay:
+	$(RELAY_MAKE) uninstall
+clean: clean-idem-relay
+clean-idem-relay:
+	$(RELAY_MAKE) clean
+.PHONY: idem-relay install-idem-relay uninstall-idem-relay clean-idem-relay

@@ -29,7 +29,11 @@
 
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
                postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
-               postgresql-15-plproxy)
+               postgresql-15-plproxy
+               libpq-dev libcurl4-openssl-dev libhiredis-dev libnats-dev librabbitmq-dev libmicrohttpd-dev
+               redis-server redis-tools nats-server rabbitmq-server python3)
+# (the last two lines: idem-relay's client libraries and the brokers its
+# TAP tests start, test/tap/09x_relay_*.pl)
 # what examples/demo/run uses: the server, the build, pg_cron (preloaded)
 IDEM_DEMO_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron)
 
@@ -154,8 +158,11 @@ idem_apt_install() {
             case $unit in
                 */systemd/system/*.service|*/systemd/system/*.socket|*/systemd/system/*.timer)
                     [[ $unit == *@.* ]] && continue
+                    # (deb-systemd-helper refuses to run outside a maintainer
+                    # script unless told which package it acts for)
                     command -v deb-systemd-helper >/dev/null 2>&1 \
-                        && deb-systemd-helper disable "$(basename "$unit")" >/dev/null 2>&1
+                        && DPKG_MAINTSCRIPT_PACKAGE=$p DPKG_MAINTSCRIPT_NAME=postinst \
+                           deb-systemd-helper disable "$(basename "$unit")" >/dev/null 2>&1
                     command -v systemctl >/dev/null 2>&1 && [[ -d /run/systemd/system ]] \
                         && systemctl disable --now "$(basename "$unit")" >/dev/null 2>&1 ;;
                 /etc/init.d/*)

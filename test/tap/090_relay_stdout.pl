@@ -1,0 +1,123 @@
+# idem-relay (tools/idem-relay) with the stdout sink, as role relay with
+# the relay capability only: pgbench emitters run with 20 % rollbacks while
+# the relay is killed with SIGKILL mid-batch and restarted, and its database
+# connection is terminated (it reconnects); then every committed event has
+# arrived, nothing rolled back did, first arrivals per aggregate are in seq
+# order, duplicates are at most one batch per kill (lost acks, counted and
+# printed); SIGTERM drains and exits 0; the metrics endpoint counts.  Also
+# the configuration: --help names the sinks compiled in, bad configuration
+# (flags, environment, file) exits 2 with a message, and a file and the
+# environment are read with the command line winning.
+use strict;
+use warnings;
+
+use JSON::PP;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(usleep);
+use IdemTest;
+use RelayTest;
+
+need_binary('idem-relay');
+
+# --- configuration, without a server
+my ($out, $err);
+IPC::Run::run([ 'idem-relay', '--help' ], '>', \$out, '2>', \$err);
+like($out, qr/Sinks compiled in: stdout/, '--help names the sinks compiled in');
+like($out, qr/--metrics-listen/, '--help lists the options');
+
+my $tmp = PostgreSQL::Test::Utils::tempdir();
+my @bad = (
+	[ [ '--bogus' ], {}, qr/unknown option "--bogus"/ ],
+	[ [ '--batch', 'ten' ], {}, qr/invalid value "ten" for --batch/ ],
+	[ [ '--batch', '0' ], {}, qr/--batch must be at least 1/ ],
+	[ [ '--sink', 'kafka' ], {}, qr/unknown sink "kafka" \(compiled in: stdout/ ],
+	[ [ '--lease', '5', '--timeout', '10' ], {}, qr/--timeout must be shorter than --lease/ ],
+	[ [ '--log-format', 'xml' ], {}, qr/invalid --log-format "xml"/ ],
+	[ [ '--metrics-listen', 'nowhere' ], {}, qr/HOST:PORT expected/ ],
+	[ [], { IDEM_RELAY_LEASE => 'soon' }, qr/invalid value "soon" for IDEM_RELAY_LEASE/ ],
+	[ [ '--config', "$tmp/missing.conf" ], {}, qr/could not open configuration file/ ],
+	[ [ '--batch' ], {}, qr/option --batch needs a value/ ],
+);
+open my $fh, '>', "$tmp/bad.conf" or die;
+print $fh "# a comment\nbatch = 5\nfrobnicate = 1\n";
+close $fh;
+push @bad, [ [ '--config', "$tmp/bad.conf" ], {}, qr/unknown option "frobnicate" in .*bad.conf line 3/ ];
+foreach my $b (@bad)
+{
+	my ($args, $env, $re) = @$b;
+	local @ENV{ keys %$env } = values %$env;
+	IPC::Run::run([ 'idem-relay', @$args ], '<', \undef, '>', \$out, '2>', \$err);
+	is($? >> 8, 2, "exit 2: idem-relay @$args " . join(' ', %$env));
+	like($err, $re, "message: $re");
+}
+
+# --- the node, the emitters and the relay
+my $node = relay_node('relay_stdout');
+my $db = 'postgres';
+my $file = "$tmp/out.jsonl";
+
+# the file, the environment and the command line, the last winning: the
+# file's sink would be refused (http without --url), the environment
+# overrides it, and the command line's --once makes this run end
+open $fh, '>', "$tmp/relay.conf" or die;
+print $fh "sink = http\nbatch = 7\n";
+close $fh;
+{
+	local $ENV{IDEM_RELAY_SINK} = 'stdout';
+	$node->safe_psql($db, q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+  FROM generate_series(1, 10) g, LATERAL idem_outbox_emit('load', 'pre', 'ev', jsonb_build_object('g', g)) e});
+	IPC::Run::run([ 'idem-relay', '--config', "$tmp/relay.conf", '-d', relay_connstr($node, $db), '--once', '-v' ],
+		'<', \undef, '>>', $file, '2>', \$err);
+	is($?, 0, '--config file, environment and flags: --once exits 0 when nothing is left');
+	like($err, qr/msg="batch done" claimed=7 published=7/, 'the file set the batch (7), the environment the sink');
+}
+
+my $emitters = start_emitters($node, 150);
+my $relay = start_relay($node, $file);
+
+sub arrivals
+{
+	my @a;
+	open my $in, '<', $file or return [];
+	while (my $line = <$in>)
+	{
+		next unless $line =~ /\n\z/;    # a line cut by SIGKILL is no arrival
+		my $e = eval { decode_json($line) } or next;
+		push @a, $e;
+	}
+	close $in;
+	return \@a;
+}
+
+ok(wait_until(60, sub { @{ arrivals() } >= 300 }), 'events arrive while emitters run');
+kill_relay($relay);
+note('relay killed with SIGKILL after ' . scalar(@{ arrivals() }) . ' arrivals');
+$relay = start_relay($node, $file);
+ok(wait_until(60, sub { @{ arrivals() } >= 700 }), 'the restarted relay delivers');
+
+# the database drops the relay's connection: it reconnects
+$node->safe_psql($db, q{SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+  WHERE usename = 'relay' AND backend_type = 'client backend'});
+ok(wait_until(60, sub { @{ arrivals() } >= 1000 }), 'the relay reconnected and delivers');
+stop_emitters($emitters);
+
+my $total = $node->safe_psql($db, 'SELECT count(*) FROM emitted');
+ok( wait_until(90, sub {
+		my %s = map { $_->{id} => 1 } @{ arrivals() };
+		scalar(keys %s) >= $total }),
+	"all $total committed events arrived");
+my $metrics = http_get($relay->{port}, '/metrics');
+like($metrics, qr/^idem_relay_published_total [1-9]\d*$/m, 'metrics: published counted');
+like($metrics, qr/^idem_relay_acked_total [1-9]\d*$/m, 'metrics: acked counted');
+like($metrics, qr/^idem_relay_db_reconnects_total [1-9]\d*$/m, 'metrics: the reconnect counted');
+like($metrics, qr/^idem_relay_batch_seconds_count [1-9]\d*$/m, 'metrics: the batch latency histogram');
+like(http_get($relay->{port}, '/other'), qr/not found/, 'metrics: other paths are 404');
+ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
+
+check_arrivals($node, arrivals(), max_dups => 2 * 20);
+is($node->safe_psql($db, 'SELECT coalesce(sum(pending), 0) FROM idempotency.outbox_backlog'), '0',
+	'nothing is left undelivered');
+
+$node->stop;
+done_testing();

@@ -1,0 +1,104 @@
+# idem-relay's http sink against a webhook receiver (helpers/webhook.py on
+# 127.0.0.1, a free port): POST with Idempotency-Key = the event id (the
+# receiver refuses any other key), 503 on every 13th request (tried again in
+# place), 400 for a poison aggregate type (nacked, dead-lettered after 3
+# attempts while other aggregates flow: policy skip).  Under pgbench
+# emitters with rollbacks, the relay is killed with SIGKILL and restarted
+# and the receiver is stopped for 3 seconds and started again (no attempt
+# is spent on an unreachable receiver); then every committed event arrived,
+# none rolled back, first arrivals per aggregate in seq order, duplicates
+# only from lost acks (counted, printed).  A slow receiver (0.8 s per event
+# of one aggregate, 6 events: longer than the 3-second lease) gets each
+# event once: the relay extends its lease while it waits.
+use strict;
+use warnings;
+
+use File::Basename qw(dirname);
+use JSON::PP;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(usleep);
+use IdemTest;
+use RelayTest;
+
+need_binary('idem-relay');
+need_binary('python3');
+like(`idem-relay --help`, qr/Sinks compiled in: .*\bhttp\b/, 'the http sink is compiled in');
+
+my $tmp = PostgreSQL::Test::Utils::tempdir();
+my $file = "$tmp/received.jsonl";
+my $port = free_port();
+my $server_script = dirname(__FILE__) . '/helpers/webhook.py';
+
+sub start_server
+{
+	my $h = IPC::Run::start([ 'python3', $server_script, $port, $file ],
+		'<', \undef, '>>', "$tmp/webhook.log", '2>&1');
+	# up when it accepts a connection
+	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
+	  or die 'webhook receiver did not start';
+	return $h;
+}
+require IO::Socket::INET;
+
+sub arrivals
+{
+	my @a;
+	open my $in, '<', $file or return [];
+	while (my $line = <$in>) { push @a, decode_json($line) if $line =~ /\n\z/; }
+	close $in;
+	return \@a;
+}
+
+my $server = start_server();
+END { local $?; $server->kill_kill if $server && $server->pumpable; }
+my $node = relay_node('relay_http');
+my $emitters = start_emitters($node, 60);
+my @args = ('--sink', 'http', '--url', "http://127.0.0.1:$port/events",
+	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
+my $relay = start_relay($node, "$tmp/relay.out", @args);
+
+ok(wait_until(60, sub { @{ arrivals() } >= 200 }), 'events arrive while emitters run');
+kill_relay($relay);
+$relay = start_relay($node, "$tmp/relay.out", @args);
+ok(wait_until(60, sub { @{ arrivals() } >= 400 }), 'the restarted relay delivers');
+
+# the receiver goes away for 3 seconds
+$server->kill_kill;
+my $before = @{ arrivals() };
+sleep 3;
+$server = start_server();
+ok(wait_until(60, sub { @{ arrivals() } >= $before + 200 }), 'delivery resumes once the receiver is back');
+
+emit_poison($node, 'poison');
+ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
+	'an aggregate emitted after the poison event flows');
+
+# 6 events that take 0.8 s each, in one batch: 4.8 s, past the 3-second lease
+$node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+  FROM generate_series(1, 6) g, LATERAL idem_outbox_emit('load', 'slow', 'ev', jsonb_build_object('g', g)) e});
+ok(wait_until(60, sub { 6 <= grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() } }),
+	'the slow receiver got the 6 events');
+stop_emitters($emitters);
+my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
+ok( wait_until(90, sub {
+		my %s = map { $_->{id} => 1 } @{ arrivals() };
+		scalar(keys %s) >= $total }),
+	"all $total committed events arrived");
+ok( wait_until(30, sub {
+		$node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
+	'the poison event is dead-lettered');
+my $metrics = http_get($relay->{port}, '/metrics');
+like($metrics, qr/^idem_relay_failed_total [1-9]\d*$/m, 'metrics: failed publishes counted (503s, 400s)');
+like($metrics, qr/^idem_relay_dead_lettered_total 1$/m, 'metrics: one event dead-lettered');
+like($metrics, qr/^idem_relay_leases_lost_total 0$/m, 'metrics: no lease lost (extended while the receiver was slow)');
+is(scalar(grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() }), 6,
+	'each slow event arrived once: the lease was extended, not lost');
+ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
+is( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+	'HTTP 400: poison refused', "the dead letter keeps the receiver's answer");
+
+check_arrivals($node, arrivals(), poison => 'poison', max_dups => 20);
+$server->kill_kill;
+$node->stop;
+done_testing();

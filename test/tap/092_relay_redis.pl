@@ -1,0 +1,106 @@
+# idem-relay's redis sink against a real redis-server (started here in a
+# temporary directory, 127.0.0.1 only, a free port, append-only file so a
+# restart keeps the stream): XADD to stream outbox:{aggregate_type} with the
+# event's fields.  Under pgbench emitters with rollbacks, the relay is
+# killed with SIGKILL and restarted and redis is stopped for 3 seconds and
+# started again; a poison aggregate type (its stream key holds a string, so
+# XADD fails with WRONGTYPE) ends in dead letters while other aggregates
+# flow (skip).  Then every committed event is in the stream, none rolled
+# back, first entries per aggregate in seq order; duplicates (Redis does no
+# dedup: a lost ack is a second entry) counted and printed.
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Utils;
+use Test::More;
+use IdemTest;
+use RelayTest;
+
+need_binary('idem-relay');
+need_binary('redis-server');
+need_binary('redis-cli');
+like(`idem-relay --help`, qr/Sinks compiled in: .*\bredis\b/, 'the redis sink is compiled in');
+
+my $tmp = PostgreSQL::Test::Utils::tempdir();
+my $port = free_port();
+my @cli = ('redis-cli', '-h', '127.0.0.1', '-p', $port);
+
+sub start_redis
+{
+	my $h = IPC::Run::start(
+		[
+			'redis-server', '--port', $port, '--bind', '127.0.0.1', '--dir', $tmp,
+			'--save', '', '--appendonly', 'yes', '--appendfsync', 'always', '--protected-mode', 'yes'
+		],
+		'<', \undef, '>>', "$tmp/redis.log", '2>&1');
+	wait_until(20, sub { my $o = ''; IPC::Run::run([ @cli, 'PING' ], '>', \$o, '2>', \my $e); $o =~ /PONG/ })
+	  or die "redis-server did not start: " . slurp_file("$tmp/redis.log");
+	return $h;
+}
+
+sub stop_redis
+{
+	my ($h) = @_;
+	$h->signal('TERM');
+	$h->finish;
+	return;
+}
+
+# the entries of stream outbox:load, in stream order
+sub arrivals
+{
+	my $o = '';
+	IPC::Run::run([ @cli, '--raw', 'XRANGE', 'outbox:load', '-', '+' ], '>', \$o, '2>', \my $e);
+	my @l = split /\n/, $o;
+	my @a;
+	while (@l >= 15)
+	{
+		my (undef, %f) = splice(@l, 0, 15);
+		push @a, \%f;
+	}
+	return \@a;
+}
+
+my $redis = start_redis();
+# a test that dies leaves no redis-server behind
+END { local $?; $redis->kill_kill if $redis && $redis->pumpable; }
+IPC::Run::run([ @cli, 'SET', 'outbox:poison', 'not a stream' ], '>', \my $o);
+my $node = relay_node('relay_redis');
+my $emitters = start_emitters($node, 100);
+my @args = ('--sink', 'redis', '--url', "redis://127.0.0.1:$port", '--target', 'outbox:{aggregate_type}',
+	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
+my $relay = start_relay($node, "$tmp/relay.out", @args);
+
+ok(wait_until(60, sub { @{ arrivals() } >= 300 }), 'events arrive while emitters run');
+kill_relay($relay);
+$relay = start_relay($node, "$tmp/relay.out", @args);
+ok(wait_until(60, sub { @{ arrivals() } >= 600 }), 'the restarted relay delivers');
+
+stop_redis($redis);
+sleep 3;
+$redis = start_redis();
+my $before = @{ arrivals() };
+ok(wait_until(60, sub { @{ arrivals() } >= $before + 300 }), 'delivery resumes once redis is back');
+
+emit_poison($node, 'poison');
+ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
+	'an aggregate emitted after the poison event flows');
+stop_emitters($emitters);
+my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
+ok( wait_until(90, sub {
+		my %s = map { $_->{id} => 1 } @{ arrivals() };
+		scalar(keys %s) >= $total }),
+	"all $total committed events are in the stream");
+ok( wait_until(30, sub {
+		$node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
+	'the poison event is dead-lettered');
+like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+	qr/WRONGTYPE/, "the dead letter keeps redis's error");
+like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total [1-9]\d*$/m,
+	'metrics: the reconnection to redis counted');
+ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
+
+check_arrivals($node, arrivals(), poison => 'poison', max_dups => 40);
+stop_redis($redis);
+$node->stop;
+done_testing();

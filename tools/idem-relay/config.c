@@ -1,0 +1,367 @@
+/*
+ * config.c: idem-relay's configuration, from (lowest first) the defaults, a
+ * file (--config FILE or IDEM_RELAY_CONFIG: "name = value" lines, # starts
+ * a comment), the environment (IDEM_RELAY_<NAME>, dashes as underscores)
+ * and the command line (--name value, --name=value, or a short flag).
+ * Every option has the same name in all three.  Bad configuration prints
+ * one line on stderr and exits 2 (EXIT_CONFIG).
+ *
+ * Runs once, in the main thread, before anything else starts.  The strings
+ * it stores are never freed (they live as long as the process).
+ */
+#include "relay.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum opt_kind
+{
+	O_STRING, O_INT, O_SECONDS, O_FLAG
+} opt_kind;
+
+typedef struct option_def
+{
+	const char *name;
+	char		short_flag;
+	opt_kind	kind;
+	size_t		offset;
+	const char *arg;
+	const char *help;
+} option_def;
+
+#define OFF(f) offsetof(relay_config, f)
+
+static const option_def options[] = {
+	{"dbname", 'd', O_STRING, OFF(dbname), "CONNINFO",
+	"database name or libpq connection string (default: libpq's PG* variables)"},
+	{"sink", 's', O_STRING, OFF(sink), "NAME", "where events go: stdout (default), http, redis, nats, amqp"},
+	{"url", 'u', O_STRING, OFF(url), "URL",
+	"the sink's address (http: the webhook; redis://HOST:PORT; nats://HOST:PORT; amqp://USER:PASS@HOST:PORT/VHOST)"},
+	{"target", 'T', O_STRING, OFF(target), "TEMPLATE",
+	"subject (nats), stream (redis) or routing key (amqp) from {aggregate_type} {event_type} {aggregate_id}"},
+	{"exchange", 0, O_STRING, OFF(exchange), "NAME", "amqp: the exchange to publish to (default: the default exchange)"},
+	{"types", 't', O_STRING, OFF(types), "LIST", "comma-separated aggregate types to take (default: all)"},
+	{"batch", 'b', O_INT, OFF(batch), "N", "events per claim (default 100)"},
+	{"lease", 'l', O_SECONDS, OFF(lease), "SECONDS", "lease of a claim, extended while a slow sink works (default 30)"},
+	{"poll", 'p', O_SECONDS, OFF(poll), "SECONDS", "claim again after this long when idle (default 1)"},
+	{"listen", 'L', O_FLAG, OFF(listen), NULL, "LISTEN idempotency_outbox: claim as soon as an emit commits"},
+	{"timeout", 0, O_SECONDS, OFF(timeout), "SECONDS", "limit of one publish (default 10)"},
+	{"retries", 0, O_INT, OFF(retries), "N",
+	"tries of a transiently failing publish (5xx, timeout, lost connection) before a nack (default 5)"},
+	{"retry-max", 0, O_SECONDS, OFF(retry_max), "SECONDS", "cap of the backoff between those tries (default 5)"},
+	{"nack-retry-after", 0, O_SECONDS, OFF(nack_retry_after), "SECONDS",
+	"retry_after of a nack (default: the extension's backoff, 1 s doubling to 1 h)"},
+	{"metrics-listen", 'm', O_STRING, OFF(metrics_listen), "HOST:PORT", "serve Prometheus metrics on http://HOST:PORT/metrics"},
+	{"log-format", 0, O_STRING, OFF(log_format), "FORMAT", "logfmt (default) or json, on stderr"},
+	{"once", '1', O_FLAG, OFF(once), NULL, "exit when a claim returns nothing"},
+	{"verbose", 'v', O_FLAG, OFF(verbose), NULL, "log every batch"},
+};
+
+#define N_OPTIONS (sizeof(options) / sizeof(options[0]))
+
+static void
+usage(FILE *out)
+{
+	size_t		i;
+
+	fprintf(out,
+			"Usage: idem-relay [OPTION]...\n"
+			"Deliver idempotency outbox events to a broker: lease a batch, publish each\n"
+			"aggregate's events in seq order, ack what the broker confirmed (doc/relay.md).\n\n");
+	for (i = 0; i < N_OPTIONS; i++)
+	{
+		char		flag[64];
+
+		snprintf(flag, sizeof(flag), "%s%c%s--%s%s%s",
+				 options[i].short_flag ? "-" : "",
+				 options[i].short_flag ? options[i].short_flag : ' ',
+				 options[i].short_flag ? ", " : "  ",
+				 options[i].name, options[i].arg ? " " : "",
+				 options[i].arg ? options[i].arg : "");
+		fprintf(out, "  %-30s %s\n", flag + (options[i].short_flag ? 0 : 1), options[i].help);
+	}
+	fprintf(out,
+			"  -c, --config FILE              read \"name = value\" lines (IDEM_RELAY_CONFIG)\n"
+			"  -h, --help                     this text\n"
+			"  -V, --version\n\n"
+			"Every option is also a variable IDEM_RELAY_<NAME> (dashes as underscores, a\n"
+			"flag is 1 or 0) and a line of the file; the command line wins, then the\n"
+			"environment, then the file.\n\n"
+			"Sinks compiled in: %s\n\n"
+			"SIGTERM or SIGINT: finish the event in hand, ack what was published, exit 0.\n"
+			"Exit status: 0 stopped (or --once found nothing more), 1 --once and the\n"
+			"database failed, 2 bad configuration.\n",
+			sink_names());
+}
+
+static void
+config_error(const char *fmt, const char *a, const char *b)
+{
+	fprintf(stderr, "idem-relay: ");
+	fprintf(stderr, fmt, a, b);
+	fprintf(stderr, "\nTry \"idem-relay --help\" for more information.\n");
+	exit(EXIT_CONFIG);
+}
+
+static const option_def *
+find_long(const char *name, size_t len)
+{
+	size_t		i;
+
+	for (i = 0; i < N_OPTIONS; i++)
+		if (strlen(options[i].name) == len && strncmp(options[i].name, name, len) == 0)
+			return &options[i];
+	return NULL;
+}
+
+static const option_def *
+find_short(char c)
+{
+	size_t		i;
+
+	for (i = 0; i < N_OPTIONS; i++)
+		if (options[i].short_flag == c)
+			return &options[i];
+	return NULL;
+}
+
+/* set option o from text value, given by source (for messages) */
+static void
+set_option(relay_config *cfg, const option_def *o, const char *value, const char *source)
+{
+	char	   *base = (char *) cfg + o->offset;
+	char	   *end;
+
+	switch (o->kind)
+	{
+		case O_STRING:
+			*(const char **) base = strdup(value);
+			break;
+		case O_INT:
+			{
+				long		v;
+
+				errno = 0;
+				v = strtol(value, &end, 10);
+				if (errno || end == value || *end || v < 0 || v > 1000000)
+					config_error("invalid value \"%s\" for %s: an integer from 0 to 1000000 is expected",
+								 value, source);
+				*(int *) base = (int) v;
+				break;
+			}
+		case O_SECONDS:
+			{
+				double		v;
+
+				errno = 0;
+				v = strtod(value, &end);
+				if (errno || end == value || *end || !(v >= 0) || v > 86400.0)
+					config_error("invalid value \"%s\" for %s: a number of seconds from 0 to 86400 is expected",
+								 value, source);
+				*(double *) base = v;
+				break;
+			}
+		case O_FLAG:
+			if (strcmp(value, "1") == 0 || strcmp(value, "true") == 0 ||
+				strcmp(value, "on") == 0 || strcmp(value, "yes") == 0)
+				*(int *) base = 1;
+			else if (strcmp(value, "0") == 0 || strcmp(value, "false") == 0 ||
+					 strcmp(value, "off") == 0 || strcmp(value, "no") == 0)
+				*(int *) base = 0;
+			else
+				config_error("invalid value \"%s\" for %s: 1 or 0 is expected", value, source);
+			break;
+	}
+}
+
+static char *
+trim(char *s)
+{
+	char	   *e;
+
+	while (isspace((unsigned char) *s))
+		s++;
+	e = s + strlen(s);
+	while (e > s && isspace((unsigned char) e[-1]))
+		*--e = '\0';
+	return s;
+}
+
+static void
+load_file(relay_config *cfg, const char *path)
+{
+	FILE	   *f = fopen(path, "r");
+	char		line[4096];
+	int			lineno = 0;
+
+	if (!f)
+		config_error("could not open configuration file \"%s\": %s", path, strerror(errno));
+	while (fgets(line, sizeof(line), f))
+	{
+		char	   *s,
+				   *eq,
+				   *name,
+				   *value;
+		const option_def *o;
+		char		where[300];
+
+		lineno++;
+		s = trim(line);
+		if (*s == '\0' || *s == '#')
+			continue;
+		eq = strchr(s, '=');
+		snprintf(where, sizeof(where), "%s line %d", path, lineno);
+		if (!eq)
+			config_error("%s: \"name = value\" expected", where, NULL);
+		*eq = '\0';
+		name = trim(s);
+		value = trim(eq + 1);
+		o = find_long(name, strlen(name));
+		if (!o)
+			config_error("unknown option \"%s\" in %s", name, where);
+		set_option(cfg, o, value, where);
+	}
+	fclose(f);
+}
+
+static void
+load_env(relay_config *cfg)
+{
+	size_t		i;
+
+	for (i = 0; i < N_OPTIONS; i++)
+	{
+		char		var[64];
+		const char *v;
+		size_t		j;
+
+		snprintf(var, sizeof(var), "IDEM_RELAY_%s", options[i].name);
+		for (j = 0; var[j]; j++)
+			var[j] = var[j] == '-' ? '_' : (char) toupper((unsigned char) var[j]);
+		v = getenv(var);
+		if (v)
+			set_option(cfg, &options[i], v, var);
+	}
+}
+
+static void
+check(relay_config *cfg)
+{
+	const sink_ops *sink = sink_find(cfg->sink);
+
+	if (!sink)
+		config_error("unknown sink \"%s\" (compiled in: %s)", cfg->sink, sink_names());
+	if (cfg->batch < 1)
+		config_error("--batch must be at least 1%s%s", "", "");
+	if (cfg->lease < 1)
+		config_error("--lease must be at least 1 second%s%s", "", "");
+	if (cfg->poll <= 0 || cfg->timeout <= 0)
+		config_error("--poll and --timeout must be more than 0 seconds%s%s", "", "");
+	if (cfg->timeout >= cfg->lease)
+		config_error("--timeout must be shorter than --lease (a publish must end before the lease does)%s%s", "", "");
+	if (cfg->retries < 1)
+		config_error("--retries must be at least 1%s%s", "", "");
+	if (strcmp(cfg->log_format, "logfmt") != 0 && strcmp(cfg->log_format, "json") != 0)
+		config_error("invalid --log-format \"%s\": logfmt or json%s", cfg->log_format, "");
+	if (*cfg->metrics_listen && !strrchr(cfg->metrics_listen, ':'))
+		config_error("invalid --metrics-listen \"%s\": HOST:PORT expected%s", cfg->metrics_listen, "");
+	if (!cfg->url)
+		cfg->url = sink->default_url;
+	if (!cfg->url || !*cfg->url)
+		config_error("sink %s needs --url%s", sink->name, "");
+	if (!cfg->target)
+		cfg->target = sink->default_target;
+}
+
+void
+config_load(relay_config *cfg, int argc, char **argv)
+{
+	const char *file = getenv("IDEM_RELAY_CONFIG");
+	int			i;
+
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->dbname = "";
+	cfg->sink = "stdout";
+	cfg->url = NULL;
+	cfg->target = NULL;
+	cfg->exchange = "";
+	cfg->types = "";
+	cfg->metrics_listen = "";
+	cfg->log_format = "logfmt";
+	cfg->batch = 100;
+	cfg->lease = 30;
+	cfg->poll = 1;
+	cfg->timeout = 10;
+	cfg->retries = 5;
+	cfg->retry_max = 5;
+	cfg->nack_retry_after = -1;
+
+	/* --help, --version and --config first: the file is read before the rest */
+	for (i = 1; i < argc; i++)
+	{
+		if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0)
+		{
+			usage(stdout);
+			exit(0);
+		}
+		if (strcmp(argv[i], "-V") == 0 || strcmp(argv[i], "--version") == 0)
+		{
+			printf("idem-relay %s (sinks: %s)\n", RELAY_VERSION, sink_names());
+			exit(0);
+		}
+		if (strcmp(argv[i], "-c") == 0 || strcmp(argv[i], "--config") == 0)
+		{
+			if (i + 1 >= argc)
+				config_error("option %s needs a value%s", argv[i], "");
+			file = argv[++i];
+		}
+		else if (strncmp(argv[i], "--config=", 9) == 0)
+			file = argv[i] + 9;
+	}
+	if (file && *file)
+		load_file(cfg, file);
+	load_env(cfg);
+
+	for (i = 1; i < argc; i++)
+	{
+		const char *a = argv[i];
+		const option_def *o = NULL;
+		const char *value = NULL;
+		char		source[80];
+
+		if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0)
+		{
+			i++;
+			continue;
+		}
+		if (strncmp(a, "--config=", 9) == 0)
+			continue;
+		if (strncmp(a, "--", 2) == 0 && a[2])
+		{
+			const char *eq = strchr(a + 2, '=');
+
+			o = find_long(a + 2, eq ? (size_t) (eq - a - 2) : strlen(a + 2));
+			if (eq)
+				value = eq + 1;
+		}
+		else if (a[0] == '-' && a[1] && !a[2])
+			o = find_short(a[1]);
+		if (!o)
+			config_error("unknown option \"%s\"%s", a, "");
+		snprintf(source, sizeof(source), "--%s", o->name);
+		if (!value)
+		{
+			if (o->kind == O_FLAG)
+				value = "1";
+			else if (i + 1 < argc)
+				value = argv[++i];
+			else
+				config_error("option %s needs a value%s", source, "");
+		}
+		set_option(cfg, o, value, source);
+	}
+	check(cfg);
+}

@@ -1,0 +1,90 @@
+/*
+ * sink.c: the sinks compiled in (each sink_*.c is built only when
+ * pkg-config found its library; stdout always), lookup by name, and the
+ * target template: {aggregate_type}, {event_type} and {aggregate_id}
+ * replaced by the event's values, anything else kept as written.
+ *
+ * No state: called from the main thread.
+ */
+#include "relay.h"
+
+#include <string.h>
+
+static const sink_ops *const sinks[] = {
+	&sink_stdout,
+#ifdef HAVE_CURL
+	&sink_http,
+#endif
+#ifdef HAVE_HIREDIS
+	&sink_redis,
+#endif
+#ifdef HAVE_NATS
+	&sink_nats,
+#endif
+#ifdef HAVE_RABBITMQ
+	&sink_amqp,
+#endif
+};
+
+#define N_SINKS (sizeof(sinks) / sizeof(sinks[0]))
+
+const sink_ops *
+sink_find(const char *name)
+{
+	size_t		i;
+
+	for (i = 0; i < N_SINKS; i++)
+		if (strcmp(sinks[i]->name, name) == 0)
+			return sinks[i];
+	return NULL;
+}
+
+const char *
+sink_names(void)
+{
+	static char names[128];
+	size_t		i;
+
+	if (!names[0])
+		for (i = 0; i < N_SINKS; i++)
+		{
+			if (i)
+				strcat(names, " ");
+			strcat(names, sinks[i]->name);
+		}
+	return names;
+}
+
+void
+sink_expand(const char *tmpl, const relay_event *ev, char *out, size_t outlen)
+{
+	static const char *const names[] = {"{aggregate_type}", "{event_type}", "{aggregate_id}"};
+	const char *values[3];
+	size_t		len = 0;
+
+	values[0] = ev->aggregate_type;
+	values[1] = ev->event_type;
+	values[2] = ev->aggregate_id;
+	while (*tmpl && len + 1 < outlen)
+	{
+		int			k,
+					hit = -1;
+
+		for (k = 0; k < 3 && *tmpl == '{'; k++)
+			if (strncmp(tmpl, names[k], strlen(names[k])) == 0)
+				hit = k;
+		if (hit >= 0)
+		{
+			size_t		n = strlen(values[hit]);
+
+			if (n > outlen - 1 - len)
+				n = outlen - 1 - len;
+			memcpy(out + len, values[hit], n);
+			len += n;
+			tmpl += strlen(names[hit]);
+		}
+		else
+			out[len++] = *tmpl++;
+	}
+	out[len] = '\0';
+}
