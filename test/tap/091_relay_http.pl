@@ -79,15 +79,7 @@ $node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type
   FROM generate_series(1, 6) g, LATERAL idem_outbox_emit('load', 'slow', 'ev', jsonb_build_object('g', g)) e});
 ok(wait_until(60, sub { 6 <= grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() } }),
 	'the slow receiver got the 6 events');
-stop_emitters($emitters);
-my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
-ok( wait_until(90, sub {
-		my %s = map { $_->{id} => 1 } @{ arrivals() };
-		scalar(keys %s) >= $total }),
-	"all $total committed events arrived");
-ok( wait_until(30, sub {
-		$node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
-	'the poison event is dead-lettered');
+my $total = drain_and_dead_letter($node, $emitters, \&arrivals, 'arrived');
 my $metrics = http_get($relay->{port}, '/metrics');
 like($metrics, qr/^idem_relay_failed_total [1-9]\d*$/m, 'metrics: failed publishes counted (503s, 400s)');
 like($metrics, qr/^idem_relay_dead_lettered_total 1$/m, 'metrics: one event dead-lettered');

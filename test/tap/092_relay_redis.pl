@@ -85,15 +85,7 @@ ok(wait_until(60, sub { @{ arrivals() } >= $before + 300 }), 'delivery resumes o
 emit_poison($node, 'poison');
 ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
 	'an aggregate emitted after the poison event flows');
-stop_emitters($emitters);
-my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
-ok( wait_until(90, sub {
-		my %s = map { $_->{id} => 1 } @{ arrivals() };
-		scalar(keys %s) >= $total }),
-	"all $total committed events are in the stream");
-ok( wait_until(30, sub {
-		$node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
-	'the poison event is dead-lettered');
+my $total = drain_and_dead_letter($node, $emitters, \&arrivals, 'are in the stream');
 like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
 	qr/WRONGTYPE/, "the dead letter keeps redis's error");
 like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total [1-9]\d*$/m,

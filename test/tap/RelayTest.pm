@@ -23,7 +23,7 @@ use IdemTest;
 
 our @EXPORT = qw(relay_node relay_role need_binary free_port start_emitters
   stop_emitters start_relay kill_relay stop_relay wait_until check_arrivals
-  emit_poison http_get relay_connstr);
+  emit_poison http_get relay_connstr drain_and_dead_letter);
 
 # skip the whole test if $bin is not on PATH, unless CI=true (then fail)
 sub need_binary
@@ -173,6 +173,27 @@ INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
   FROM idem_outbox_emit('load', 'after-poison', 'ev', '{}') e;
 });
 	return;
+}
+
+# After the run: stop the emitters, wait until every committed event (but
+# the poison ones) is among what $arrivals (a sub returning the list so
+# far) has seen, "all N committed events $where", and until the poison
+# event of type 'poison' is dead-lettered.  Returns the number of events.
+sub drain_and_dead_letter
+{
+	my ($node, $emitters, $arrivals, $where) = @_;
+	stop_emitters($emitters);
+	my $total = $node->safe_psql('postgres',
+		q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
+	ok( wait_until(90, sub {
+			my %s = map { $_->{id} => 1 } @{ $arrivals->() };
+			scalar(keys %s) >= $total }),
+		"all $total committed events $where");
+	ok( wait_until(30, sub {
+			$node->safe_psql('postgres',
+				q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
+		'the poison event is dead-lettered');
+	return $total;
 }
 
 # GET http://127.0.0.1:$port$path; the body, '' on failure

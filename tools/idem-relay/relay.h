@@ -136,6 +136,13 @@ typedef struct sink_ops
 	void		(*close) (void *state);
 } sink_ops;
 
+/*
+ * A sink's entry: its name, the URL and target template used when none is
+ * given, and its functions (flush may be NULL).
+ */
+#define SINK_DEFINE(var, nm, url, target, open_fn, publish_fn, flush_fn, close_fn) \
+	const sink_ops var = {nm, url, target, open_fn, publish_fn, flush_fn, close_fn}
+
 /* the sink named name, NULL if not compiled in */
 const sink_ops *sink_find(const char *name);
 

@@ -168,12 +168,5 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	}
 }
 
-const sink_ops sink_amqp = {
-	.name = "amqp",
-	.default_url = "amqp://guest:guest@127.0.0.1:5672",
-	.default_target = "outbox.{aggregate_type}.{event_type}",
-	.open = amqp_open_sink,
-	.publish = amqp_publish,
-	.flush = NULL,
-	.close = amqp_close_state,
-};
+SINK_DEFINE(sink_amqp, "amqp", "amqp://guest:guest@127.0.0.1:5672", "outbox.{aggregate_type}.{event_type}",
+			amqp_open_sink, amqp_publish, NULL, amqp_close_state);

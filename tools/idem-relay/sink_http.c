@@ -117,12 +117,5 @@ http_close(void *state)
 	free(st);
 }
 
-const sink_ops sink_http = {
-	.name = "http",
-	.default_url = NULL,
-	.default_target = "",
-	.open = http_open,
-	.publish = http_publish,
-	.flush = NULL,
-	.close = http_close,
-};
+SINK_DEFINE(sink_http, "http", NULL, "",
+			http_open, http_publish, NULL, http_close);

@@ -110,12 +110,5 @@ nats_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	return SINK_RETRY;
 }
 
-const sink_ops sink_nats = {
-	.name = "nats",
-	.default_url = "nats://127.0.0.1:4222",
-	.default_target = "outbox.{aggregate_type}.{event_type}",
-	.open = nats_open,
-	.publish = nats_publish,
-	.flush = NULL,
-	.close = nats_close,
-};
+SINK_DEFINE(sink_nats, "nats", "nats://127.0.0.1:4222", "outbox.{aggregate_type}.{event_type}",
+			nats_open, nats_publish, NULL, nats_close);

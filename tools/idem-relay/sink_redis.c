@@ -84,12 +84,5 @@ redis_close(void *state)
 	redisFree(state);
 }
 
-const sink_ops sink_redis = {
-	.name = "redis",
-	.default_url = "redis://127.0.0.1:6379",
-	.default_target = "outbox:{aggregate_type}",
-	.open = redis_open,
-	.publish = redis_publish,
-	.flush = NULL,
-	.close = redis_close,
-};
+SINK_DEFINE(sink_redis, "redis", "redis://127.0.0.1:6379", "outbox:{aggregate_type}",
+			redis_open, redis_publish, NULL, redis_close);

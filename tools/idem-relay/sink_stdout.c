@@ -61,12 +61,5 @@ stdout_close(void *state)
 	fflush(stdout);
 }
 
-const sink_ops sink_stdout = {
-	.name = "stdout",
-	.default_url = "-",
-	.default_target = "",
-	.open = stdout_open,
-	.publish = stdout_publish,
-	.flush = stdout_flush,
-	.close = stdout_close,
-};
+SINK_DEFINE(sink_stdout, "stdout", "-", "",
+			stdout_open, stdout_publish, stdout_flush, stdout_close);
