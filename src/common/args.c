@@ -193,6 +193,17 @@ idem_build_array(Datum *elems, bool *nulls, int n, Oid elemtype)
 											  typlen, typbyval, typalign));
 }
 
+/* A text[] of n C strings. */
+Datum
+idem_text_array(char **names, int n)
+{
+	Datum	   *d = palloc(sizeof(Datum) * Max(n, 1));
+
+	for (int i = 0; i < n; i++)
+		d[i] = CStringGetTextDatum(names[i]);
+	return idem_build_array(d, NULL, n, TEXTOID);
+}
+
 /* The blessed descriptor of a function's composite result. */
 TupleDesc
 idem_result_tupdesc(FunctionCallInfo fcinfo)

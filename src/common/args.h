@@ -36,6 +36,7 @@ extern int32 idem_batch_arg(FunctionCallInfo fcinfo, int argno, const char *what
 extern int	idem_array_arg(FunctionCallInfo fcinfo, int argno, const char *what, Oid elemtype,
 						   Datum **elems);
 extern Datum idem_build_array(Datum *elems, bool *nulls, int n, Oid elemtype);
+extern Datum idem_text_array(char **names, int n);
 extern struct TupleDescData *idem_result_tupdesc(FunctionCallInfo fcinfo);
 
 #endif							/* IDEM_COMMON_ARGS_H */

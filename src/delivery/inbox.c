@@ -654,11 +654,7 @@ idem_inbox_claim(PG_FUNCTION_ARGS)
 	if (!c.has_sources &&
 		(nsources = idem_capability_exact_names(c.grants, IDEM_AXIS_SOURCE, &names)) >= 0)
 	{
-		Datum	   *d = palloc(sizeof(Datum) * Max(nsources, 1));
-
-		for (int i = 0; i < nsources; i++)
-			d[i] = CStringGetTextDatum(names[i]);
-		c.sources = idem_build_array(d, NULL, nsources, TEXTOID);
+		c.sources = idem_text_array(names, nsources);
 		c.has_sources = true;
 	}
 	InitMaterializedSRF(fcinfo, 0);

@@ -686,11 +686,7 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	if (!c.has_types && (c.ntype_names = idem_capability_exact_names(c.grants, IDEM_AXIS_TYPE,
 																	 &c.type_names)) >= 0)
 	{
-		Datum	   *names = palloc(sizeof(Datum) * Max(c.ntype_names, 1));
-
-		for (int i = 0; i < c.ntype_names; i++)
-			names[i] = CStringGetTextDatum(c.type_names[i]);
-		c.types = idem_build_array(names, NULL, c.ntype_names, TEXTOID);
+		c.types = idem_text_array(c.type_names, c.ntype_names);
 		c.has_types = true;
 	}
 	InitMaterializedSRF(fcinfo, 0);
