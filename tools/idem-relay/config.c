@@ -58,6 +58,22 @@ static const option_def options[] = {
 	{"log-format", 0, O_STRING, OFF(log_format), "FORMAT", "logfmt (default) or json, on stderr"},
 	{"once", '1', O_FLAG, OFF(once), NULL, "exit when a claim returns nothing"},
 	{"verbose", 'v', O_FLAG, OFF(verbose), NULL, "log every batch"},
+	/* inbound: --in SOURCE and what only it reads */
+	{"in", 'i', O_STRING, OFF(in), "SOURCE",
+	"inbound: store messages of SOURCE (http, redis, nats, amqp) in the inbox instead"},
+	{"source", 0, O_STRING, OFF(source), "NAME", "inbound: the inbox source name (default: the --in name)"},
+	{"message-id", 0, O_STRING, OFF(message_id), "SPEC",
+	"inbound: header:NAME or json:/POINTER (default per source: header:Idempotency-Key, header:id, header:Nats-Msg-Id, header:message_id)"},
+	{"ordering-key", 0, O_STRING, OFF(ordering_key), "SPEC", "inbound: header:NAME or json:/POINTER (default: none)"},
+	{"group", 0, O_STRING, OFF(group), "NAME", "inbound: redis consumer group, nats durable consumer (default idem-relay)"},
+	{"consumer", 0, O_STRING, OFF(consumer), "NAME", "inbound: redis consumer name (default idem-relay)"},
+	{"hmac-secret", 0, O_STRING, OFF(hmac_secret), "SECRET", "inbound http: check an HMAC-SHA256 signature with this key"},
+	{"hmac-format", 0, O_STRING, OFF(hmac_format), "FORMAT",
+	"inbound http: hex (\"[sha256=]HEX\" of the body, default) or stripe (\"t=TS,v1=HEX\" of \"TS.body\")"},
+	{"hmac-header", 0, O_STRING, OFF(hmac_header), "NAME",
+	"inbound http: the signature's header (default X-Hub-Signature-256, or Stripe-Signature)"},
+	{"hmac-tolerance", 0, O_SECONDS, OFF(hmac_tolerance), "SECONDS",
+	"inbound http, stripe: how old a signature's timestamp may be (default 300)"},
 };
 
 #define N_OPTIONS (sizeof(options) / sizeof(options[0]))
@@ -68,9 +84,12 @@ usage(FILE *out)
 	size_t		i;
 
 	fprintf(out,
-			"Usage: idem-relay [OPTION]...\n"
-			"Deliver idempotency outbox events to a broker: lease a batch, publish each\n"
-			"aggregate's events in seq order, ack what the broker confirmed (doc/relay.md).\n\n");
+			"Usage: idem-relay [OPTION]...            outbox events to a broker (--sink)\n"
+			"       idem-relay --in SOURCE [OPTION]...  broker messages into the inbox\n"
+			"Out: lease a batch of outbox events, publish each aggregate's events in seq\n"
+			"order, ack what the broker confirmed.  In: take a batch of messages, store\n"
+			"them with idem_inbox_receive in one transaction, ack each to the broker (or\n"
+			"answer the webhook 2xx) only after the commit (doc/relay.md).\n\n");
 	for (i = 0; i < N_OPTIONS; i++)
 	{
 		char		flag[64];
@@ -90,11 +109,13 @@ usage(FILE *out)
 			"Every option is also a variable IDEM_RELAY_<NAME> (dashes as underscores, a\n"
 			"flag is 1 or 0) and a line of the file; the command line wins, then the\n"
 			"environment, then the file.\n\n"
-			"Sinks compiled in: %s\n\n"
-			"SIGTERM or SIGINT: finish the event in hand, ack what was published, exit 0.\n"
+			"Sinks compiled in: %s\n"
+			"Sources compiled in: %s\n\n"
+			"SIGTERM or SIGINT: finish the event in hand, ack what was published, exit 0\n"
+			"(inbound: store the batch in hand, ack it, answer waiting webhooks 503).\n"
 			"Exit status: 0 stopped (or --once found nothing more), 1 --once and the\n"
 			"database failed, 2 bad configuration.\n",
-			sink_names());
+			sink_names(), source_names());
 }
 
 static void
@@ -247,12 +268,50 @@ load_env(relay_config *cfg)
 	}
 }
 
+/* the options of --in SOURCE; cfg->in is set */
 static void
-check(relay_config *cfg)
+check_inbound(relay_config *cfg, int sink_given)
 {
-	const sink_ops *sink = sink_find(cfg->sink);
+	const source_ops *src = source_find(cfg->in);
+	const char *const specs[2] = {cfg->message_id, cfg->ordering_key};
+	int			i;
 
-	if (!sink)
+	if (!src)
+		config_error("unknown source \"%s\" (compiled in: %s)", cfg->in, source_names());
+	if (sink_given)
+		config_error("--in and --sink exclude each other (one relay, one direction)%s%s", "", "");
+	if (!cfg->url)
+		cfg->url = src->default_url;
+	if (!cfg->target)
+		cfg->target = src->default_target;
+	if (!cfg->source)
+		cfg->source = src->name;
+	if (!cfg->message_id)
+		cfg->message_id = src->default_message_id;
+	if (!*cfg->source)
+		config_error("--source must not be empty%s%s", "", "");
+	for (i = 0; i < 2; i++)
+		if (*specs[i] && strncmp(specs[i], "header:", 7) != 0 && strncmp(specs[i], "json:/", 6) != 0)
+			config_error("invalid %s \"%s\": header:NAME or json:/POINTER expected",
+						 i == 0 ? "--message-id" : "--ordering-key", specs[i]);
+	if (!*cfg->message_id || strcmp(cfg->message_id, "header:") == 0)
+		config_error("--message-id must name a header or a JSON pointer%s%s", "", "");
+	if (strcmp(cfg->hmac_format, "hex") != 0 && strcmp(cfg->hmac_format, "stripe") != 0)
+		config_error("invalid --hmac-format \"%s\": hex or stripe%s", cfg->hmac_format, "");
+	if (!cfg->hmac_header)
+		cfg->hmac_header = strcmp(cfg->hmac_format, "stripe") == 0 ? "Stripe-Signature" : "X-Hub-Signature-256";
+	if (*cfg->hmac_secret && strcmp(src->name, "http") != 0)
+		config_error("--hmac-secret is for --in http only%s%s", "", "");
+}
+
+static void
+check(relay_config *cfg, int sink_given)
+{
+	const sink_ops *sink = cfg->in ? NULL : sink_find(cfg->sink);
+
+	if (cfg->in)
+		check_inbound(cfg, sink_given);
+	else if (!sink)
 		config_error("unknown sink \"%s\" (compiled in: %s)", cfg->sink, sink_names());
 	if (cfg->batch < 1)
 		config_error("--batch must be at least 1%s%s", "", "");
@@ -268,11 +327,11 @@ check(relay_config *cfg)
 		config_error("invalid --log-format \"%s\": logfmt or json%s", cfg->log_format, "");
 	if (*cfg->metrics_listen && !strrchr(cfg->metrics_listen, ':'))
 		config_error("invalid --metrics-listen \"%s\": HOST:PORT expected%s", cfg->metrics_listen, "");
-	if (!cfg->url)
+	if (sink && !cfg->url)
 		cfg->url = sink->default_url;
 	if (!cfg->url || !*cfg->url)
-		config_error("sink %s needs --url%s", sink->name, "");
-	if (!cfg->target)
+		config_error("%s needs --url%s", cfg->in ? cfg->in : sink->name, "");
+	if (sink && !cfg->target)
 		cfg->target = sink->default_target;
 }
 
@@ -280,11 +339,12 @@ void
 config_load(relay_config *cfg, int argc, char **argv)
 {
 	const char *file = getenv("IDEM_RELAY_CONFIG");
-	int			i;
+	int			i,
+				sink_given;
 
 	memset(cfg, 0, sizeof(*cfg));
 	cfg->dbname = "";
-	cfg->sink = "stdout";
+	cfg->sink = NULL;			/* "stdout" unless given (check: --in excludes it) */
 	cfg->url = NULL;
 	cfg->target = NULL;
 	cfg->exchange = "";
@@ -298,6 +358,16 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->retries = 5;
 	cfg->retry_max = 5;
 	cfg->nack_retry_after = -1;
+	cfg->in = NULL;
+	cfg->source = NULL;
+	cfg->message_id = NULL;
+	cfg->ordering_key = "";
+	cfg->group = "idem-relay";
+	cfg->consumer = "idem-relay";
+	cfg->hmac_secret = "";
+	cfg->hmac_format = "hex";
+	cfg->hmac_header = NULL;
+	cfg->hmac_tolerance = 300;
 
 	/* --help, --version and --config first: the file is read before the rest */
 	for (i = 1; i < argc; i++)
@@ -309,7 +379,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 		}
 		if (strcmp(argv[i], "-V") == 0 || strcmp(argv[i], "--version") == 0)
 		{
-			printf("idem-relay %s (sinks: %s)\n", RELAY_VERSION, sink_names());
+			printf("idem-relay %s (sinks: %s; sources: %s)\n", RELAY_VERSION, sink_names(), source_names());
 			exit(0);
 		}
 		if (strcmp(argv[i], "-c") == 0 || strcmp(argv[i], "--config") == 0)
@@ -363,5 +433,8 @@ config_load(relay_config *cfg, int argc, char **argv)
 		}
 		set_option(cfg, o, value, source);
 	}
-	check(cfg);
+	sink_given = cfg->sink != NULL;
+	if (!sink_given)
+		cfg->sink = "stdout";
+	check(cfg, sink_given);
 }

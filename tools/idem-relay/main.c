@@ -1,12 +1,15 @@
 /*
  * main.c: idem-relay's entry point: configuration (config.c), logs
  * (log.c), the metrics thread (metrics.c), the signal handlers, then the
- * relay loop (outbox.c) with the sink --sink names.
+ * outbound relay loop (outbox.c) with the sink --sink names, or with --in
+ * the inbound loop (inbound.c) with that source; and the clock, sleep and
+ * backoff the loops share.
  *
  * Signals: SIGTERM and SIGINT set relay_stopping (installed without
  * SA_RESTART, so a wait in select or nanosleep returns early); SIGPIPE is
- * ignored (a closed pipe or socket is an error return, not death).  The
- * metrics thread blocks both, so they reach the main thread.
+ * ignored (a closed pipe or socket is an error return, not death).  Threads
+ * of ours (metrics, webhooks) are started with both blocked
+ * (relay_block_signals), so they reach the main thread.
  */
 #include "relay.h"
 
@@ -15,6 +18,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+volatile int relay_stopping;
 
 static void
 on_stop(int sig)
@@ -23,19 +29,68 @@ on_stop(int sig)
 	relay_stopping = 1;
 }
 
+double
+relay_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double) ts.tv_sec + (double) ts.tv_nsec / 1e9;
+}
+
+void
+relay_sleep(double seconds)
+{
+	double		until = relay_now() + seconds;
+
+	while (!relay_stopping)
+	{
+		double		left = until - relay_now();
+		struct timespec ts;
+
+		if (left <= 0)
+			break;
+		if (left > 0.1)
+			left = 0.1;
+		ts.tv_sec = (time_t) left;
+		ts.tv_nsec = (long) ((left - (double) ts.tv_sec) * 1e9);
+		nanosleep(&ts, NULL);
+	}
+}
+
+double
+relay_backoff(double b, double cap)
+{
+	return b * 2 > cap ? cap : b * 2;
+}
+
+void
+relay_block_signals(sigset_t *old)
+{
+	sigset_t	block;
+
+	sigemptyset(&block);
+	sigaddset(&block, SIGTERM);
+	sigaddset(&block, SIGINT);
+	pthread_sigmask(SIG_BLOCK, &block, old);
+}
+
+void
+relay_restore_signals(const sigset_t *old)
+{
+	pthread_sigmask(SIG_SETMASK, old, NULL);
+}
+
 int
 main(int argc, char **argv)
 {
 	relay_config cfg;
-	const sink_ops *sink;
 	struct sigaction sa;
-	sigset_t	block,
-				old;
+	sigset_t	old;
 	int			rc;
 
 	config_load(&cfg, argc, argv);
 	log_init(cfg.log_format, cfg.verbose);
-	sink = sink_find(cfg.sink);
 
 	memset(&sa, 0, sizeof(sa));
 	sa.sa_handler = on_stop;
@@ -46,14 +101,13 @@ main(int argc, char **argv)
 
 	if (*cfg.metrics_listen)
 	{
-		sigemptyset(&block);
-		sigaddset(&block, SIGTERM);
-		sigaddset(&block, SIGINT);
-		pthread_sigmask(SIG_BLOCK, &block, &old);
+		relay_block_signals(&old);
 		rc = metrics_start(cfg.metrics_listen);
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		relay_restore_signals(&old);
 		if (rc != 0)
 			return EXIT_CONFIG;
 	}
-	return outbox_run(&cfg, sink);
+	if (cfg.in)
+		return inbound_run(&cfg, source_find(cfg.in));
+	return outbox_run(&cfg, sink_find(cfg.sink));
 }

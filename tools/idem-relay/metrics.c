@@ -32,11 +32,17 @@ static const char *const metric_names[M_COUNT][2] = {
 	[M_DB_RECONNECTS] = {"idem_relay_db_reconnects_total", "database reconnections"},
 	[M_SINK_RECONNECTS] = {"idem_relay_sink_reconnects_total", "sink reconnections"},
 	[M_CLAIMS] = {"idem_relay_claims_total", "claims that returned events"},
+	[M_IN_RECEIVED] = {"idem_relay_in_received_total", "inbound: messages taken from the source"},
+	[M_IN_STORED] = {"idem_relay_in_stored_total", "inbound: messages idem_inbox_receive stored"},
+	[M_IN_DUPLICATES] = {"idem_relay_in_duplicates_total", "inbound: messages received before (acked, not stored again)"},
+	[M_IN_FAILED] = {"idem_relay_in_failed_total", "inbound: messages not stored this time (not acked: delivered again)"},
+	[M_IN_REJECTED] = {"idem_relay_in_rejected_total", "inbound: messages that can never be stored (bad signature, no id, not JSON, IK001)"},
+	[M_IN_SOURCE_RECONNECTS] = {"idem_relay_in_source_reconnects_total", "inbound: source reconnections"},
 };
 
 static _Atomic uint64_t counters[M_COUNT];
 
-/* batch latency (claim to ack), seconds */
+/* batch latency (claim to ack; inbound: fetched to settled), seconds */
 static const double buckets[] = {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30};
 
 #define N_BUCKETS (sizeof(buckets) / sizeof(buckets[0]))
@@ -83,7 +89,7 @@ render(char *buf, size_t cap)
 			metric_names[i][0], metric_names[i][0],
 			(unsigned long long) atomic_load_explicit(&counters[i], memory_order_relaxed));
 	}
-	OUT("# HELP idem_relay_batch_seconds time from a claim to its ack\n"
+	OUT("# HELP idem_relay_batch_seconds time from a claim to its ack (inbound: from the fetch to the last broker ack)\n"
 		"# TYPE idem_relay_batch_seconds histogram\n");
 	for (i = 0; i < N_BUCKETS; i++)
 		OUT("idem_relay_batch_seconds_bucket{le=\"%g\"} %llu\n", buckets[i],
@@ -110,7 +116,7 @@ serve(void *arg)
 	{
 		int			fd = accept(lfd, NULL, NULL);
 		char		req[2048];
-		char		body[8192];
+		char		body[16384];
 		char		head[256];
 		ssize_t		n;
 		size_t		got = 0;

@@ -49,47 +49,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/select.h>
-#include <time.h>
-
-volatile int relay_stopping;
-
-double
-relay_now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double) ts.tv_sec + (double) ts.tv_nsec / 1e9;
-}
-
-void
-relay_sleep(double seconds)
-{
-	double		until = relay_now() + seconds;
-
-	while (!relay_stopping)
-	{
-		double		left = until - relay_now();
-		struct timespec ts;
-
-		if (left <= 0)
-			break;
-		if (left > 0.1)
-			left = 0.1;
-		ts.tv_sec = (time_t) left;
-		ts.tv_nsec = (long) ((left - (double) ts.tv_sec) * 1e9);
-		nanosleep(&ts, NULL);
-	}
-}
 
 typedef struct relay_db
 {
 	PGconn	   *conn;
 	int			max_attempts;
 	char		claim_sql[1024];
-	char		ack_sql[256];
-	char		nack_sql[256];
-	char		extend_sql[256];
+	char		ack_sql[384];
+	char		nack_sql[384];
+	char		extend_sql[384];
 } relay_db;
 
 typedef enum batch_status
@@ -105,57 +73,31 @@ db_close(relay_db *db)
 	db->conn = NULL;
 }
 
-static int
-db_exec_ok(PGconn *conn, const char *sql)
-{
-	PGresult   *res = PQexec(conn, sql);
-	int			ok = PQresultStatus(res) == PGRES_COMMAND_OK || PQresultStatus(res) == PGRES_TUPLES_OK;
-
-	if (!ok)
-		log_msg(LOG_ERROR, "statement failed", "error", PQerrorMessage(conn), NULL);
-	PQclear(res);
-	return ok;
-}
-
 /* one connection attempt; 0 or -1 (logged) */
 static int
 db_open(relay_db *db, const relay_config *cfg)
 {
-	const char *keys[] = {"dbname", "fallback_application_name", NULL};
-	const char *values[] = {cfg->dbname, "idem-relay", NULL};
 	PGresult   *res;
-	char	   *schema;
+	char		schema[136];		/* quote_ident of a name: at most 63 * 2 + 2 */
 
-	db->conn = PQconnectdbParams(keys, values, 1);
-	if (PQstatus(db->conn) != CONNECTION_OK)
-	{
-		log_msg(LOG_ERROR, "cannot connect to the database", "error", PQerrorMessage(db->conn), NULL);
-		db_close(db);
+	db->conn = db_connect(cfg, schema, sizeof(schema));
+	if (!db->conn)
 		return -1;
-	}
-	if (!db_exec_ok(db->conn, "SET default_transaction_isolation = 'read committed'; "
-					"SET client_min_messages = warning") ||
-		(cfg->listen && !db_exec_ok(db->conn, "LISTEN idempotency_outbox")))
+	if (cfg->listen && !db_exec_ok(db->conn, "LISTEN idempotency_outbox"))
 	{
 		db_close(db);
 		return -1;
 	}
-	res = PQexec(db->conn,
-				 "SELECT pg_catalog.quote_ident(n.nspname), "
-				 "       pg_catalog.current_setting('idempotency.outbox_max_attempts', true) "
-				 "FROM pg_catalog.pg_extension e "
-				 "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
-				 "WHERE e.extname = 'idempotency'");
+	res = PQexec(db->conn, "SELECT pg_catalog.current_setting('idempotency.outbox_max_attempts', true)");
 	if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
 	{
-		log_msg(LOG_ERROR, "the database has no extension idempotency",
+		log_msg(LOG_ERROR, "cannot read idempotency.outbox_max_attempts",
 				"error", PQerrorMessage(db->conn), NULL);
 		PQclear(res);
 		db_close(db);
 		return -1;
 	}
-	schema = PQgetvalue(res, 0, 0);
-	db->max_attempts = PQgetisnull(res, 0, 1) ? 10 : atoi(PQgetvalue(res, 0, 1));
+	db->max_attempts = PQgetisnull(res, 0, 0) || !*PQgetvalue(res, 0, 0) ? 10 : atoi(PQgetvalue(res, 0, 0));
 	snprintf(db->claim_sql, sizeof(db->claim_sql),
 			 "SELECT e.id, e.lease_token, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, "
 			 "       e.payload::text, e.headers::text, e.attempts, "
@@ -417,7 +359,7 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 			relay_sleep(backoff);
 			if (relay_stopping)
 				break;
-			backoff = backoff * 2 > cfg->retry_max ? cfg->retry_max : backoff * 2;
+			backoff = relay_backoff(backoff, cfg->retry_max);
 		}
 	}
 
@@ -575,7 +517,7 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 				if (cfg->once)
 					return 1;
 				relay_sleep(db_backoff);
-				db_backoff = db_backoff * 2 > 10 ? 10 : db_backoff * 2;
+				db_backoff = relay_backoff(db_backoff, 10);
 				continue;
 			}
 			if (connected_once)
@@ -588,7 +530,7 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 			if (sink_reopen(&sink, cfg, connected_once > 1) != 0)
 			{
 				relay_sleep(sink_backoff);
-				sink_backoff = sink_backoff * 2 > 10 ? 10 : sink_backoff * 2;
+				sink_backoff = relay_backoff(sink_backoff, 10);
 				continue;
 			}
 			connected_once = 2;

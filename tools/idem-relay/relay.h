@@ -4,12 +4,18 @@
  * idem-relay moves outbox events to a broker through the SQL API alone:
  * outbox.c leases batches (idem_outbox_claim), hands each event to one sink
  * (sink_*.c, chosen by --sink), acks what the sink confirmed and nacks what
- * it refused.  config.c reads flags, IDEM_RELAY_* variables and a file;
- * log.c writes logfmt lines on stderr; metrics.c counts and serves them.
+ * it refused.  With --in it runs the other way: inbound.c takes batches of
+ * messages from one source (source_*.c: a broker's consumer, or an HTTP
+ * receiver), stores them with idem_inbox_receive in one transaction and
+ * acks each to the broker only after the commit.  config.c reads flags,
+ * IDEM_RELAY_* variables and a file; log.c writes logfmt lines on stderr;
+ * metrics.c counts and serves them; db.c opens the database connection.
  *
  * Threads: the main thread does everything but serving /metrics, which a
- * thread of metrics.c does; the two share only the counters of metrics.c
- * (atomics).  Nothing else is shared, so no locks.
+ * thread of metrics.c does, and receiving webhooks, which the threads of
+ * source_http.c do; the metrics thread shares only the counters of
+ * metrics.c (atomics), the webhook threads only source_http.c's queue
+ * (under its mutex, described there).  Nothing else is shared.
  *
  * Includes: every .c file includes this header and the system or library
  * headers it needs itself; no .c file includes another's header.
@@ -17,6 +23,8 @@
 #ifndef IDEM_RELAY_H
 #define IDEM_RELAY_H
 
+#include <libpq-fe.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +39,7 @@ typedef struct relay_config
 {
 	const char *dbname;			/* libpq connection string ("" = libpq's defaults) */
 	const char *sink;			/* stdout, http, redis, nats, amqp */
+	const char *in;				/* inbound: the source (http, redis, nats, amqp); NULL: outbound */
 	const char *url;			/* where the sink connects */
 	const char *target;			/* template of subject / stream / routing key */
 	const char *exchange;		/* amqp: the exchange ("" = the default one) */
@@ -47,6 +56,16 @@ typedef struct relay_config
 	int			listen;			/* LISTEN idempotency_outbox */
 	int			once;			/* exit when a claim returns nothing */
 	int			verbose;
+	/* inbound (--in) */
+	const char *source;			/* the inbox source name (default: the --in name) */
+	const char *message_id;		/* header:NAME or json:/POINTER (default per source) */
+	const char *ordering_key;	/* header:NAME or json:/POINTER, "" = none */
+	const char *group;			/* redis consumer group, nats durable consumer */
+	const char *consumer;		/* redis consumer name */
+	const char *hmac_secret;	/* http: "" = no signature check */
+	const char *hmac_header;	/* http: the signature's header (default per format) */
+	const char *hmac_format;	/* http: hex or stripe */
+	double		hmac_tolerance; /* http, stripe: seconds of clock skew */
 	/*
 	 * Subscriptions (issue 23): a "subscription" option would go here and
 	 * be passed by outbox.c as the relay functions' last argument.
@@ -84,6 +103,12 @@ enum metric
 	M_DB_RECONNECTS,
 	M_SINK_RECONNECTS,
 	M_CLAIMS,
+	M_IN_RECEIVED,				/* inbound: messages taken from the source */
+	M_IN_STORED,				/* idem_inbox_receive stored it (true) */
+	M_IN_DUPLICATES,			/* received before (false) */
+	M_IN_FAILED,				/* not stored, delivered again (database refused or lost) */
+	M_IN_REJECTED,				/* never storable (bad JSON, no id, IK001, bad signature) */
+	M_IN_SOURCE_RECONNECTS,
 	M_COUNT
 };
 
@@ -167,10 +192,149 @@ extern const sink_ops sink_nats;
 extern const sink_ops sink_amqp;
 #endif
 
-/* --- outbox.c ------------------------------------------------------------- */
+/* --- sources (source.c and source_*.c) ------------------------------------ */
+
+/* a growing text buffer (source.c); zeroed = empty; data NUL-terminated */
+typedef struct relay_buf
+{
+	char	   *data;
+	size_t		len;
+	size_t		cap;
+} relay_buf;
+
+void		buf_put(relay_buf *b, const char *s, size_t len);
+void		buf_puts(relay_buf *b, const char *s);
+/* s as a JSON string: quotes, backslashes and control characters escaped */
+void		buf_json_string(relay_buf *b, const char *s, size_t len);
+
+/* what became of a message: the source acks, rejects or hands it out again */
+typedef enum msg_outcome
+{
+	MSG_STORED,					/* idem_inbox_receive returned true: ack */
+	MSG_DUPLICATE,				/* it returned false: ack */
+	MSG_REJECTED,				/* never storable: reject (reason in error) */
+	MSG_FAILED					/* not stored this time: deliver it again */
+} msg_outcome;
+
+/* a message as a source took it; source.c's msg_* functions fill it */
+typedef struct relay_message
+{
+	char	   *body;			/* the raw body (NUL-terminated) */
+	size_t		body_len;
+	relay_buf	meta;			/* the broker's headers/fields/properties: a JSON object */
+	int			meta_closed;	/* msg_meta was called */
+	char	   *message_id;		/* from --message-id header:NAME, else NULL */
+	char	   *ordering_key;	/* from --ordering-key header:NAME, else NULL */
+	void	   *handle;			/* the source's, for settle */
+	char		ref[64];		/* for logs: entry id, delivery tag */
+	char		sqlstate[6];	/* set before settle when not stored */
+	char		error[256];
+} relay_message;
+
+typedef struct source_ops
+{
+	const char *name;
+	const char *default_url;
+	const char *default_target;
+	const char *default_message_id;
+	/* connect (listen); 0, or -1 with the reason in err */
+	int			(*open) (void **state, const relay_config *cfg, char *err, size_t errlen);
+	/*
+	 * up to max messages into msgs (zeroed), waiting up to wait seconds for
+	 * the first; how many, or -1: the broker is lost (reason in err)
+	 */
+	int			(*fetch) (void *state, relay_message *msgs, int max, double wait,
+						  char *err, size_t errlen);
+	/*
+	 * after the transaction: ack, reject or hand back msg; called once for
+	 * every message fetch returned, even when it fails; 0 or -1 (err)
+	 */
+	int			(*settle) (void *state, relay_message *msg, msg_outcome outcome,
+						   char *err, size_t errlen);
+	void		(*close) (void *state);
+} source_ops;
+
+/* a source's entry, as SINK_DEFINE */
+#define SOURCE_DEFINE(var, nm, url, target, msgid, open_fn, fetch_fn, settle_fn, close_fn) \
+	const source_ops var = {nm, url, target, msgid, open_fn, fetch_fn, settle_fn, close_fn}
+
+const source_ops *source_find(const char *name);
+const char *source_names(void);
+
+/* the message's body (copied); header name = value (appended to meta, and
+ * taken as message id / ordering key when --message-id / --ordering-key
+ * name it); msg_free frees what these allocated */
+void		msg_set_body(relay_message *msg, const char *body, size_t len);
+void		msg_header(relay_message *msg, const relay_config *cfg, const char *name,
+					   const char *value, size_t value_len);
+void		msg_free(relay_message *msg);
+/* the metadata object, closed (no msg_header after this) */
+const char *msg_meta(relay_message *msg);
+
+#ifdef HAVE_MHD
+extern const source_ops source_http;
+#endif
+#ifdef HAVE_HIREDIS
+extern const source_ops source_redis;
+#endif
+#ifdef HAVE_NATS
+extern const source_ops source_nats;
+#endif
+#ifdef HAVE_RABBITMQ
+extern const source_ops source_amqp;
+#endif
+
+/* --- broker connections shared by a sink and a source of one broker ------ */
+
+#ifdef HAVE_HIREDIS
+#include <hiredis/hiredis.h>
+/* connect to redis://HOST:PORT with --timeout; NULL (reason in err) */
+redisContext *redis_connect(const relay_config *cfg, char *err, size_t errlen);
+#endif
+#ifdef HAVE_NATS
+#include <nats/nats.h>
+typedef struct nats_link
+{
+	natsOptions *opts;
+	natsConnection *nc;
+	jsCtx	   *js;
+	int64_t		timeout_ms;
+} nats_link;
+
+/* connect to --url (the library's reconnection off) with a JetStream
+ * context; 0, or -1 (reason in err, l closed) */
+int			nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen);
+void		nats_link_close(nats_link *l);
+#endif
+#ifdef HAVE_RABBITMQ
+#include <amqp.h>
+/* connect to --url, log in and open channel 1 (in confirm mode if
+ * confirm); NULL (reason in err) */
+amqp_connection_state_t amqp_connect_channel(const relay_config *cfg, int confirm,
+											 char *err, size_t errlen);
+/* close channel 1 and the connection, free it */
+void		amqp_disconnect(amqp_connection_state_t conn);
+#endif
+
+/* --- db.c ----------------------------------------------------------------- */
+
+/*
+ * connect to --dbname, session in READ COMMITTED, client_min_messages =
+ * warning; the extension's schema (quoted) into schema; NULL (logged)
+ */
+PGconn	   *db_connect(const relay_config *cfg, char *schema, size_t schemalen);
+/* run sql; true if it succeeded (logged if not) */
+int			db_exec_ok(PGconn *conn, const char *sql);
+
+/* --- outbox.c, inbound.c -------------------------------------------------- */
 
 /* the relay loop until SIGTERM/SIGINT (or --once); the exit status */
 int			outbox_run(const relay_config *cfg, const sink_ops *sink);
+
+/* the inbound loop until SIGTERM/SIGINT; the exit status */
+int			inbound_run(const relay_config *cfg, const source_ops *source);
+
+/* --- main.c --------------------------------------------------------------- */
 
 /* set by the signal handler of main.c */
 extern volatile int relay_stopping;
@@ -180,5 +344,13 @@ double		relay_now(void);
 
 /* sleep up to seconds, returning early once relay_stopping is set */
 void		relay_sleep(double seconds);
+
+/* the next backoff after b: doubled, at most cap */
+double		relay_backoff(double b, double cap);
+
+/* block SIGTERM and SIGINT in the calling thread (before starting a thread
+ * that must not take them: it inherits the mask); restore with old */
+void		relay_block_signals(sigset_t *old);
+void		relay_restore_signals(const sigset_t *old);
 
 #endif							/* IDEM_RELAY_H */

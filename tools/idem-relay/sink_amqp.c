@@ -10,6 +10,7 @@
  * lost ack means a second copy, and consumers dedupe on message_id.
  *
  * One connection, channel 1 in confirm mode; main thread only.
+ * amqp_connect_channel is source_amqp.c's too.
  */
 #include "relay.h"
 
@@ -27,14 +28,20 @@ typedef struct amqp_state
 	struct timeval timeout;
 } amqp_state;
 
+void
+amqp_disconnect(amqp_connection_state_t conn)
+{
+	amqp_channel_close(conn, 1, AMQP_REPLY_SUCCESS);
+	amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
+	amqp_destroy_connection(conn);
+}
+
 static void
 amqp_close_state(void *state)
 {
 	amqp_state *st = state;
 
-	amqp_channel_close(st->conn, 1, AMQP_REPLY_SUCCESS);
-	amqp_connection_close(st->conn, AMQP_REPLY_SUCCESS);
-	amqp_destroy_connection(st->conn);
+	amqp_disconnect(st->conn);
 	free(st);
 }
 
@@ -50,59 +57,84 @@ rpc_ok(amqp_rpc_reply_t r, const char *what, char *err, size_t errlen)
 	return 0;
 }
 
-static int
-amqp_open_sink(void **state, const relay_config *cfg, char *err, size_t errlen)
+/* --timeout as a timeval */
+static struct timeval
+timeout_tv(const relay_config *cfg)
 {
-	amqp_state *st = calloc(1, sizeof(*st));
+	struct timeval tv;
+
+	tv.tv_sec = (time_t) cfg->timeout;
+	tv.tv_usec = (suseconds_t) ((cfg->timeout - (double) tv.tv_sec) * 1e6);
+	return tv;
+}
+
+amqp_connection_state_t
+amqp_connect_channel(const relay_config *cfg, int confirm, char *err, size_t errlen)
+{
 	struct amqp_connection_info ci;
 	char	   *url = strdup(cfg->url);
 	amqp_socket_t *sock;
+	amqp_connection_state_t conn;
+	struct timeval tv = timeout_tv(cfg);
 	int			rc;
 
-	if (!st || !url)
+	if (!url)
 	{
 		snprintf(err, errlen, "out of memory");
-		free(st);
-		free(url);
-		return -1;
+		return NULL;
 	}
 	amqp_default_connection_info(&ci);
 	if ((rc = amqp_parse_url(url, &ci)) != AMQP_STATUS_OK)
 	{
 		snprintf(err, errlen, "bad --url: %s", amqp_error_string2(rc));
-		free(st);
 		free(url);
-		return -1;
+		return NULL;
 	}
 	/* "amqp://host/" names the vhost "" (the default one, "/", is %2f) */
 	if (!ci.vhost || !*ci.vhost)
 		ci.vhost = "/";
-	st->exchange = cfg->exchange;
-	st->timeout.tv_sec = (time_t) cfg->timeout;
-	st->timeout.tv_usec = (suseconds_t) ((cfg->timeout - (double) st->timeout.tv_sec) * 1e6);
-	st->conn = amqp_new_connection();
-	sock = amqp_tcp_socket_new(st->conn);
-	if (!sock || (rc = amqp_socket_open_noblock(sock, ci.host, ci.port, &st->timeout)) != AMQP_STATUS_OK)
+	conn = amqp_new_connection();
+	sock = amqp_tcp_socket_new(conn);
+	if (!sock || (rc = amqp_socket_open_noblock(sock, ci.host, ci.port, &tv)) != AMQP_STATUS_OK)
 	{
 		snprintf(err, errlen, "cannot connect to %s:%d: %s", ci.host, ci.port,
 				 sock ? amqp_error_string2(rc) : "no socket");
-		amqp_destroy_connection(st->conn);
-		free(st);
+		amqp_destroy_connection(conn);
 		free(url);
-		return -1;
+		return NULL;
 	}
-	amqp_set_rpc_timeout(st->conn, &st->timeout);
-	if (!rpc_ok(amqp_login(st->conn, ci.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user, ci.password),
+	amqp_set_rpc_timeout(conn, &tv);
+	if (!rpc_ok(amqp_login(conn, ci.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user, ci.password),
 				"login", err, errlen) ||
-		(amqp_channel_open(st->conn, 1), !rpc_ok(amqp_get_rpc_reply(st->conn), "channel.open", err, errlen)) ||
-		(amqp_confirm_select(st->conn, 1), !rpc_ok(amqp_get_rpc_reply(st->conn), "confirm.select", err, errlen)))
+		(amqp_channel_open(conn, 1), !rpc_ok(amqp_get_rpc_reply(conn), "channel.open", err, errlen)) ||
+		(confirm && (amqp_confirm_select(conn, 1),
+					 !rpc_ok(amqp_get_rpc_reply(conn), "confirm.select", err, errlen))))
 	{
-		amqp_destroy_connection(st->conn);
-		free(st);
+		amqp_destroy_connection(conn);
 		free(url);
-		return -1;
+		return NULL;
 	}
 	free(url);
+	return conn;
+}
+
+static int
+amqp_open_sink(void **state, const relay_config *cfg, char *err, size_t errlen)
+{
+	amqp_state *st = calloc(1, sizeof(*st));
+
+	if (!st)
+	{
+		snprintf(err, errlen, "out of memory");
+		return -1;
+	}
+	st->exchange = cfg->exchange;
+	st->timeout = timeout_tv(cfg);
+	if (!(st->conn = amqp_connect_channel(cfg, 1, err, errlen)))
+	{
+		free(st);
+		return -1;
+	}
 	*state = st;
 	return 0;
 }

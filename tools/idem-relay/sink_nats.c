@@ -9,7 +9,7 @@
  * window, at least once.
  *
  * One connection, the library's own reconnection off (the relay reopens);
- * main thread only.
+ * main thread only.  nats_link_open is source_nats.c's too.
  */
 #include "relay.h"
 
@@ -18,65 +18,75 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct nats_state
+void
+nats_link_close(nats_link *l)
 {
-	natsOptions *opts;
-	natsConnection *nc;
-	jsCtx	   *js;
-	int64_t		timeout_ms;
-} nats_state;
+	if (l->js)
+		jsCtx_Destroy(l->js);
+	if (l->nc)
+		natsConnection_Destroy(l->nc);
+	if (l->opts)
+		natsOptions_Destroy(l->opts);
+	memset(l, 0, sizeof(*l));
+}
+
+int
+nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen)
+{
+	natsStatus	s;
+
+	memset(l, 0, sizeof(*l));
+	l->timeout_ms = (int64_t) (cfg->timeout * 1000);
+	s = natsOptions_Create(&l->opts);
+	if (s == NATS_OK)
+		s = natsOptions_SetURL(l->opts, cfg->url);
+	if (s == NATS_OK)
+		s = natsOptions_SetTimeout(l->opts, l->timeout_ms);
+	if (s == NATS_OK)
+		s = natsOptions_SetAllowReconnect(l->opts, false);
+	if (s == NATS_OK)
+		s = natsConnection_Connect(&l->nc, l->opts);
+	if (s == NATS_OK)
+		s = natsConnection_JetStream(&l->js, l->nc, NULL);
+	if (s != NATS_OK)
+	{
+		snprintf(err, errlen, "%s", natsStatus_GetText(s));
+		nats_link_close(l);
+		return -1;
+	}
+	return 0;
+}
 
 static void
 nats_close(void *state)
 {
-	nats_state *st = state;
-
-	if (st->js)
-		jsCtx_Destroy(st->js);
-	if (st->nc)
-		natsConnection_Destroy(st->nc);
-	if (st->opts)
-		natsOptions_Destroy(st->opts);
-	free(st);
+	nats_link_close(state);
+	free(state);
 }
 
 static int
 nats_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 {
-	nats_state *st = calloc(1, sizeof(*st));
-	natsStatus	s;
+	nats_link  *l = calloc(1, sizeof(*l));
 
-	if (!st)
+	if (!l)
 	{
 		snprintf(err, errlen, "out of memory");
 		return -1;
 	}
-	st->timeout_ms = (int64_t) (cfg->timeout * 1000);
-	s = natsOptions_Create(&st->opts);
-	if (s == NATS_OK)
-		s = natsOptions_SetURL(st->opts, cfg->url);
-	if (s == NATS_OK)
-		s = natsOptions_SetTimeout(st->opts, st->timeout_ms);
-	if (s == NATS_OK)
-		s = natsOptions_SetAllowReconnect(st->opts, false);
-	if (s == NATS_OK)
-		s = natsConnection_Connect(&st->nc, st->opts);
-	if (s == NATS_OK)
-		s = natsConnection_JetStream(&st->js, st->nc, NULL);
-	if (s != NATS_OK)
+	if (nats_link_open(l, cfg, err, errlen) != 0)
 	{
-		snprintf(err, errlen, "%s", natsStatus_GetText(s));
-		nats_close(st);
+		free(l);
 		return -1;
 	}
-	*state = st;
+	*state = l;
 	return 0;
 }
 
 static sink_result
 nats_publish(void *state, const relay_event *ev, const char *target, char *err, size_t errlen)
 {
-	nats_state *st = state;
+	nats_link  *st = state;
 	natsMsg    *msg = NULL;
 	jsPubAck   *pa = NULL;
 	jsPubOptions po;

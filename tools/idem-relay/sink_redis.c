@@ -8,6 +8,7 @@
  * id field; consumers dedupe on it.
  *
  * One connection (hiredis, blocking, --timeout); main thread only.
+ * redis_connect is source_redis.c's too.
  */
 #include "relay.h"
 
@@ -17,8 +18,8 @@
 #include <string.h>
 #include <sys/time.h>
 
-static int
-redis_open(void **state, const relay_config *cfg, char *err, size_t errlen)
+redisContext *
+redis_connect(const relay_config *cfg, char *err, size_t errlen)
 {
 	char		host[256] = "127.0.0.1";
 	int			port = 6379;
@@ -45,11 +46,17 @@ redis_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 		snprintf(err, errlen, "%s", c ? c->errstr : "out of memory");
 		if (c)
 			redisFree(c);
-		return -1;
+		return NULL;
 	}
 	redisSetTimeout(c, tv);
-	*state = c;
-	return 0;
+	return c;
+}
+
+static int
+redis_open(void **state, const relay_config *cfg, char *err, size_t errlen)
+{
+	*state = redis_connect(cfg, err, errlen);
+	return *state ? 0 : -1;
 }
 
 static sink_result
