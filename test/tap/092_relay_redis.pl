@@ -23,35 +23,10 @@ like(`idem-relay --help`, qr/Sinks compiled in: .*\bredis\b/, 'the redis sink is
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();
-my @cli = ('redis-cli', '-h', '127.0.0.1', '-p', $port);
-
-sub start_redis
-{
-	my $h = IPC::Run::start(
-		[
-			'redis-server', '--port', $port, '--bind', '127.0.0.1', '--dir', $tmp,
-			'--save', '', '--appendonly', 'yes', '--appendfsync', 'always', '--protected-mode', 'yes'
-		],
-		'<', \undef, '>>', "$tmp/redis.log", '2>&1');
-	wait_until(20, sub { my $o = ''; IPC::Run::run([ @cli, 'PING' ], '>', \$o, '2>', \my $e); $o =~ /PONG/ })
-	  or die "redis-server did not start: " . slurp_file("$tmp/redis.log");
-	return $h;
-}
-
-sub stop_redis
-{
-	my ($h) = @_;
-	$h->signal('TERM');
-	$h->finish;
-	return;
-}
-
 # the entries of stream outbox:load, in stream order
 sub arrivals
 {
-	my $o = '';
-	IPC::Run::run([ @cli, '--raw', 'XRANGE', 'outbox:load', '-', '+' ], '>', \$o, '2>', \my $e);
-	my @l = split /\n/, $o;
+	my @l = split /\n/, redis_cli($port, 'XRANGE', 'outbox:load', '-', '+');
 	my @a;
 	while (@l >= 15)
 	{
@@ -61,10 +36,8 @@ sub arrivals
 	return \@a;
 }
 
-my $redis = start_redis();
-# a test that dies leaves no redis-server behind
-END { local $?; $redis->kill_kill if $redis && $redis->pumpable; }
-IPC::Run::run([ @cli, 'SET', 'outbox:poison', 'not a stream' ], '>', \my $o);
+my $redis = start_redis($tmp, $port);
+redis_cli($port, 'SET', 'outbox:poison', 'not a stream');
 my $node = relay_node('relay_redis');
 my $emitters = start_emitters($node, 100);
 my @args = ('--sink', 'redis', '--url', "redis://127.0.0.1:$port", '--target', 'outbox:{aggregate_type}',
@@ -76,9 +49,9 @@ kill_relay($relay);
 $relay = start_relay($node, "$tmp/relay.out", @args);
 ok(wait_until(60, sub { @{ arrivals() } >= 600 }), 'the restarted relay delivers');
 
-stop_redis($redis);
+stop_broker($redis);
 sleep 3;
-$redis = start_redis();
+$redis = start_redis($tmp, $port);
 my $before = @{ arrivals() };
 ok(wait_until(60, sub { @{ arrivals() } >= $before + 300 }), 'delivery resumes once redis is back');
 
@@ -93,6 +66,6 @@ like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total 
 ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
 
 check_arrivals($node, arrivals(), poison => 'poison', max_dups => 40);
-stop_redis($redis);
+stop_broker($redis);
 $node->stop;
 done_testing();

@@ -9,11 +9,10 @@
 # flow (skip).  Then every committed event is in the stream, none rolled
 # back, in seq order per aggregate, and no duplicate: JetStream's duplicate
 # window drops the redeliveries of lost acks.  The stream is created and
-# read by a few lines of the NATS protocol here (nats_request).
+# read by a few lines of the NATS protocol (RelayTest's nats_requests).
 use strict;
 use warnings;
 
-use IO::Socket::INET;
 use JSON::PP;
 use MIME::Base64;
 use PostgreSQL::Test::Utils;
@@ -28,67 +27,9 @@ like(`idem-relay --help`, qr/Sinks compiled in: .*\bnats\b/, 'the nats sink is c
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();
 
-sub start_nats
-{
-	my $h = IPC::Run::start(
-		[ 'nats-server', '-js', '-a', '127.0.0.1', '-p', $port, '-sd', "$tmp/js", '-l', "$tmp/nats.log" ],
-		'<', \undef, '>>', "$tmp/nats.out", '2>&1');
-	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
-	  or die 'nats-server did not start';
-	return $h;
-}
-
-# requests over one connection: nats_requests([subject, payload, msg_id],
-# ...) (msg_id: sent as header Nats-Msg-Id if defined) returns the reply
-# payloads (undef for no responders)
-sub nats_requests
-{
-	my @req = @_;
-	my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port, Timeout => 10)
-	  or return;
-	my $info = <$s>;
-	print $s qq{CONNECT {"verbose":false,"pedantic":false,"headers":true,"no_responders":true}\r\nSUB _INBOX.t 1\r\n};
-	my @replies;
-	foreach my $r (@req)
-	{
-		my ($subject, $payload, $msg_id) = @$r;
-		if (defined $msg_id)
-		{
-			my $h = "NATS/1.0\r\nNats-Msg-Id: $msg_id\r\n\r\n";
-			print $s "HPUB $subject _INBOX.t " . length($h) . ' ' . (length($h) + length($payload))
-			  . "\r\n$h$payload\r\n";
-		}
-		else
-		{
-			print $s "PUB $subject _INBOX.t " . length($payload) . "\r\n$payload\r\n";
-		}
-		my $reply;
-		while (defined(my $line = <$s>))
-		{
-			if ($line =~ /^PING/) { print $s "PONG\r\n"; next; }
-			if ($line =~ /^MSG\s.*?(\d+)\s*$/)
-			{
-				read($s, $reply, $1 + 2);
-				$reply = substr($reply, 0, $1);
-				last;
-			}
-			if ($line =~ /^HMSG\s.*?(\d+)\s*$/)
-			{
-				read($s, my $skip, $1 + 2);
-				$reply = undef;
-				last;
-			}
-			die "nats: $line" if $line =~ /^-ERR/;
-		}
-		push @replies, $reply;
-	}
-	close $s;
-	return @replies;
-}
-
 sub stream_info
 {
-	my ($r) = nats_requests([ '$JS.API.STREAM.INFO.OUTBOX', '' ]);
+	my ($r) = nats_requests($port, [ '$JS.API.STREAM.INFO.OUTBOX', '' ]);
 	return defined $r ? decode_json($r) : {};
 }
 
@@ -96,7 +37,7 @@ sub stream_info
 sub arrivals
 {
 	my $last = stream_info()->{state}{last_seq} // 0;
-	my @r = nats_requests(map { [ '$JS.API.STREAM.MSG.GET.OUTBOX', qq{{"seq":$_}} ] } 1 .. $last);
+	my @r = nats_requests($port, map { [ '$JS.API.STREAM.MSG.GET.OUTBOX', qq{{"seq":$_}} ] } 1 .. $last);
 	my @a;
 	foreach my $r (@r)
 	{
@@ -111,10 +52,8 @@ sub arrivals
 
 sub stored { return stream_info()->{state}{messages} // 0; }
 
-my $nats = start_nats();
-# a test that dies leaves no nats-server behind
-END { local $?; $nats->kill_kill if $nats && $nats->pumpable; }
-my ($created) = nats_requests([ '$JS.API.STREAM.CREATE.OUTBOX',
+my $nats = start_nats($tmp, $port);
+my ($created) = nats_requests($port, [ '$JS.API.STREAM.CREATE.OUTBOX',
 	'{"name":"OUTBOX","subjects":["outbox.load.>"],"storage":"file","duplicate_window":120000000000}' ]);
 like($created, qr/"name":"OUTBOX"/, 'stream OUTBOX created (2-minute duplicate window)');
 
@@ -127,7 +66,7 @@ $node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type
 my @lost = map { [ split /\|/ ] } split /\n/, $node->safe_psql('postgres', q{
 SELECT id, jsonb_build_object('id', id, 'aggregate_type', aggregate_type, 'aggregate_id', aggregate_id, 'seq', seq)
   FROM emitted WHERE aggregate_id = 'lost-ack' ORDER BY seq});
-my @acks = nats_requests(map { [ 'outbox.load.ev', $_->[1], $_->[0] ] } @lost);
+my @acks = nats_requests($port, map { [ 'outbox.load.ev', $_->[1], $_->[0] ] } @lost);
 is(scalar(grep { defined && /"seq":\d+/ } @acks), 20, 'the 20 events of the dead relay are in the stream');
 my $emitters = start_emitters($node, 100);
 my @args = ('--sink', 'nats', '--url', "nats://127.0.0.1:$port",
@@ -139,10 +78,9 @@ kill_relay($relay);
 $relay = start_relay($node, "$tmp/relay.out", @args);
 ok(wait_until(60, sub { stored() >= 600 }), 'the restarted relay delivers');
 
-$nats->signal('TERM');
-$nats->finish;
+stop_broker($nats);
 sleep 3;
-$nats = start_nats();
+$nats = start_nats($tmp, $port);
 my $before = stored();
 ok(wait_until(60, sub { stored() >= $before + 300 }), 'delivery resumes once nats-server is back');
 
@@ -165,7 +103,6 @@ is(join(',', map { $_->{id} } @$arrivals[ 0 .. 19 ]), join(',', map { $_->[0] } 
 is(scalar(grep { $_->{msg_id} ne $_->{id} } @$arrivals), 0, 'every message has Nats-Msg-Id = its event id');
 is(stored(), $total, 'the stream holds each committed event once');
 check_arrivals($node, $arrivals, poison => 'poison', max_dups => 0);
-$nats->signal('TERM');
-$nats->finish;
+stop_broker($nats);
 $node->stop;
 done_testing();

@@ -9,11 +9,10 @@
 # letters while other aggregates flow (skip).  Then every committed event
 # was in the queue, none rolled back, first arrivals per aggregate in seq
 # order; duplicates (RabbitMQ does not dedupe) counted and printed.  The
-# queue is declared and read by helpers/amqp_dump.c, built here.
+# queue is declared and read by helpers/amqp_dump.c (RelayTest's amqp).
 use strict;
 use warnings;
 
-use File::Basename qw(dirname);
 use JSON::PP;
 use PostgreSQL::Test::Utils;
 use Test::More;
@@ -27,73 +26,12 @@ need_binary('cc');
 like(`idem-relay --help`, qr/Sinks compiled in: .*\bamqp\b/, 'the amqp sink is compiled in');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
-my $dump = "$tmp/amqp_dump";
-my $cflags = `pkg-config --cflags --libs librabbitmq`;
-chomp $cflags;
-system("cc -o $dump " . dirname(__FILE__) . "/helpers/amqp_dump.c $cflags") == 0
-  or BAIL_OUT('cannot build helpers/amqp_dump.c');
-
-my ($port, $dist, $epmd) = (free_port(), free_port(), free_port());
-my %env = (
-	HOME => $tmp,
-	RABBITMQ_NODENAME => "idemtest$port\@localhost",
-	RABBITMQ_NODE_IP_ADDRESS => '127.0.0.1',
-	RABBITMQ_NODE_PORT => $port,
-	RABBITMQ_DIST_PORT => $dist,
-	ERL_EPMD_PORT => $epmd,
-	ERL_EPMD_ADDRESS => '127.0.0.1',
-	RABBITMQ_MNESIA_BASE => "$tmp/mnesia",
-	RABBITMQ_LOG_BASE => "$tmp/log",
-	RABBITMQ_CONFIG_FILE => "$tmp/rabbitmq",
-	RABBITMQ_ENABLED_PLUGINS_FILE => "$tmp/enabled_plugins",
-	RABBITMQ_PID_FILE => "$tmp/rabbit.pid",
-	RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS => '-kernel inet_dist_use_interface {127,0,0,1}',
-);
-open my $fh, '>', "$tmp/enabled_plugins" or die;
-print $fh "[].\n";
-close $fh;
-open $fh, '>', "$tmp/rabbitmq.conf" or die;
-print $fh "listeners.tcp.default = 127.0.0.1:$port\n";
-close $fh;
-
-sub amqp
-{
-	my @args = @_;
-	my ($out, $err) = ('', '');
-	IPC::Run::run([ $dump, $port, @args ], '>', \$out, '2>', \$err);
-	return $? == 0 ? $out : undef;
-}
-
-my $rabbit;
-sub start_rabbit
-{
-	local @ENV{ keys %env } = values %env;
-	$rabbit = IPC::Run::start([$server], '<', \undef, '>>', "$tmp/rabbit.out", '2>&1');
-	wait_until(90, sub { defined amqp('declare', 'load') }) or BAIL_OUT('rabbitmq did not start');
-	return;
-}
-
-sub stop_rabbit
-{
-	local @ENV{ keys %env } = values %env;
-	IPC::Run::run([ '/usr/lib/rabbitmq/bin/rabbitmqctl', 'shutdown' ], '>', \my $o, '2>&1');
-	$rabbit->finish if $rabbit;
-	$rabbit = undef;
-	return;
-}
-
-END
-{
-	local $?;
-	if ($rabbit) { stop_rabbit(); }
-	local @ENV{ keys %env } = values %env;
-	system('epmd', '-port', $epmd, '-kill') if $epmd;
-}
+my $rabbit = rabbit_node($tmp);
 
 my @arrivals;
 sub arrivals
 {
-	my $out = amqp('take', 'load') // '';
+	my $out = amqp($rabbit, '', 'take', 'load') // '';
 	foreach my $line (split /\n/, $out)
 	{
 		my ($id, $body) = split / /, $line, 2;
@@ -104,10 +42,10 @@ sub arrivals
 	return \@arrivals;
 }
 
-start_rabbit();
+start_rabbit($rabbit, 'load');
 my $node = relay_node('relay_rabbitmq');
 my $emitters = start_emitters($node, 60);
-my @args = ('--sink', 'amqp', '--url', "amqp://guest:guest\@127.0.0.1:$port/", '--target', '{aggregate_type}',
+my @args = ('--sink', 'amqp', '--url', "amqp://guest:guest\@127.0.0.1:$rabbit->{port}/", '--target', '{aggregate_type}',
 	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
 my $relay = start_relay($node, "$tmp/relay.out", @args);
 
@@ -116,9 +54,9 @@ kill_relay($relay);
 $relay = start_relay($node, "$tmp/relay.out", @args);
 ok(wait_until(60, sub { @{ arrivals() } >= 400 }), 'the restarted relay delivers');
 
-stop_rabbit();
+stop_rabbit($rabbit);
 sleep 2;
-start_rabbit();
+start_rabbit($rabbit, 'load');
 my $before = @{ arrivals() };
 ok(wait_until(90, sub { @{ arrivals() } >= $before + 200 }), 'delivery resumes once rabbitmq is back');
 
@@ -132,6 +70,6 @@ ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
 arrivals();
 is(scalar(grep { $_->{msg_id} ne $_->{id} } @arrivals), 0, 'every message has message_id = its event id');
 check_arrivals($node, \@arrivals, poison => 'poison', max_dups => 60);
-stop_rabbit();
+stop_rabbit($rabbit);
 $node->stop;
 done_testing();

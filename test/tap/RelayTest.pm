@@ -4,7 +4,17 @@
 # started, killed with SIGKILL and stopped with SIGTERM (start_relay,
 # kill_relay, stop_relay), a broker binary found or the test skipped
 # (need_binary: a skip only without CI=true), free loopback ports, and the
-# checks every sink's test makes of what arrived (check_arrivals).
+# checks every sink's test makes of what arrived (check_arrivals).  For
+# the inbound tests (095-098): the role inbound with the handler capability
+# for one source only (inbound_role), the relay started with --in
+# (start_inbound), messages with deliberate duplicates (inbound_messages),
+# what the inbox holds (inbox_rows) and the checks of it (check_inbox), and
+# a webhook POST (http_post).  The brokers, each on 127.0.0.1 and a free
+# port with its data in a directory of the test's: redis (start_redis,
+# redis_cli), nats-server with JetStream (start_nats, nats_requests: a few
+# lines of the NATS protocol), RabbitMQ (rabbit_node, start_rabbit,
+# stop_rabbit, amqp: helpers/amqp_dump.c, built here); stop_broker.  A
+# test that dies leaves no broker behind.
 #
 # An arrival is a hash {id, aggregate_type, aggregate_id, seq}, in the order
 # the broker (or the reader) got them.
@@ -23,7 +33,10 @@ use IdemTest;
 
 our @EXPORT = qw(relay_node relay_role need_binary free_port start_emitters
   stop_emitters start_relay kill_relay stop_relay wait_until check_arrivals
-  emit_poison http_get relay_connstr drain_and_dead_letter);
+  emit_poison http_get relay_connstr drain_and_dead_letter inbound_role
+  start_inbound inbound_messages inbox_rows check_inbox http_post metric
+  start_redis redis_cli stop_broker start_nats nats_requests rabbit_node
+  start_rabbit stop_rabbit amqp);
 
 # skip the whole test if $bin is not on PATH, unless CI=true (then fail)
 sub need_binary
@@ -114,23 +127,313 @@ sub stop_emitters { my ($h) = @_; $h->kill_kill; return; }
 my @relays;
 END { local $?; $_->{h}->kill_kill for grep { $_->{h}->pumpable } @relays; }
 
-# idem-relay with @args (besides -d, --listen, --poll, --lease and
-# --metrics-listen), stdout appended to $out (a file), stderr to $out.err;
-# returns {h, port}
-sub start_relay
+# idem-relay with @args and --metrics-listen on a free port, stdout
+# appended to $out (a file), stderr to $out.err; returns {h, port}
+sub run_relay
 {
-	my ($node, $out, @args) = @_;
+	my ($out, @args) = @_;
 	my $mport = free_port();
-	my $h = IPC::Run::start(
-		[
-			'idem-relay', '-d', relay_connstr($node, 'postgres'), '--listen',
-			'--poll', '0.5', '--lease', '3', '--timeout', '1', '--batch', '20',
-			'--metrics-listen', "127.0.0.1:$mport", @args
-		],
+	my $h = IPC::Run::start([ 'idem-relay', '--metrics-listen', "127.0.0.1:$mport", @args ],
 		'<', \undef, '>>', $out, '2>>', "$out.err");
 	push @relays, { h => $h, port => $mport };
 	return $relays[-1];
 }
+
+# the outbound relay as role relay with @args (besides -d, --listen,
+# --poll, --lease, --timeout, --batch)
+sub start_relay
+{
+	my ($node, $out, @args) = @_;
+	return run_relay($out, '-d', relay_connstr($node, 'postgres'), '--listen',
+		'--poll', '0.5', '--lease', '3', '--timeout', '1', '--batch', '20', @args);
+}
+
+# The inbound relay's role: the handler capability for inbox source
+# $source only (idem_inbox_receive; nothing else).
+sub inbound_role
+{
+	my ($node, $source) = @_;
+	$node->safe_psql('postgres', qq{
+CREATE ROLE inbound LOGIN;
+SELECT idem_grant('inbound', 'handler', sources => ARRAY['$source']);
+});
+	return;
+}
+
+# idem-relay --in $in as role inbound with @args (besides -d, --poll,
+# --timeout, --batch, --lease)
+sub start_inbound
+{
+	my ($node, $out, $in, @args) = @_;
+	return run_relay($out, '-d', $node->connstr('postgres') . ' user=inbound', '--in', $in,
+		'--poll', '0.5', '--timeout', '2', '--lease', '3', '--batch', '20', @args);
+}
+
+# the value of metric $name at the relay's endpoint (undef if absent)
+sub metric
+{
+	my ($r, $name) = @_;
+	return http_get($r->{port}, '/metrics') =~ /^\Q$name\E (\S+)$/m ? $1 : undef;
+}
+
+# $n messages in rounds: a list of [message id, payload JSON] where about
+# one in ten is sent twice (the same id and payload: a broker's redelivery
+# or a producer's retry), ids "$prefix-1" ...; payload {"n": i, "account":
+# "acct-(i mod 7)"}
+sub inbound_messages
+{
+	my ($prefix, $n) = @_;
+	my @m;
+	for my $i (1 .. $n)
+	{
+		my $msg = [ "$prefix-$i", sprintf('{"n": %d, "account": "acct-%d"}', $i, $i % 7) ];
+		push @m, $msg;
+		push @m, $msg if $i % 10 == 3;
+	}
+	return @m;
+}
+
+# what the inbox holds for $source: message id => {count, n, ordering_key}
+sub inbox_rows
+{
+	my ($node, $source) = @_;
+	my %rows;
+	foreach my $line (split /\n/, $node->safe_psql('postgres', qq{
+SELECT message_id, count(*), min(payload->>'n'), min(coalesce(headers->>'ordering_key', ''))
+  FROM idempotency.inbox_messages WHERE source = '$source' GROUP BY message_id}))
+	{
+		my ($id, $c, $n, $k) = split /\|/, $line, -1;
+		$rows{$id} = { count => $c, n => $n, ordering_key => $k };
+	}
+	return \%rows;
+}
+
+# every message of @sent (inbound_messages' list) is in the inbox once with
+# its payload, and nothing else is
+sub check_inbox
+{
+	my ($node, $source, @sent) = @_;
+	my $rows = inbox_rows($node, $source);
+	my %want = map { $_->[0] => ($_->[1] =~ /"n": (\d+)/)[0] } @sent;
+	my @missing = grep { !$rows->{$_} } sort keys %want;
+	my @twice = grep { $rows->{$_}{count} != 1 } sort keys %$rows;
+	my @foreign = grep { !exists $want{$_} } sort keys %$rows;
+	my @wrong = grep { $rows->{$_} && $rows->{$_}{n} ne $want{$_} } sort keys %want;
+	my $dups = @sent - scalar(keys %want);
+	cmp_ok($dups, '>', 0, "the producers sent $dups messages twice");
+	is(scalar(@missing), 0, 'every message sent is in the inbox (none lost)')
+	  or diag('missing: ' . join(' ', @missing[ 0 .. ($#missing < 9 ? $#missing : 9) ]));
+	is(scalar(@twice), 0, 'each message is stored once');
+	is(scalar(@foreign), 0, 'nothing is stored that was not sent') or diag("foreign: @foreign");
+	is(scalar(@wrong), 0, 'each message is stored with its payload') or diag("wrong: @wrong");
+	return;
+}
+
+# POST $body to http://127.0.0.1:$port$path with headers (name => value,
+# ...); (status, body), status 0 if no connection
+sub http_post
+{
+	my ($port, $path, $body, @headers) = @_;
+	require IO::Socket::INET;
+	my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port, Timeout => 10)
+	  or return (0, '');
+	my $req = "POST $path HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+	  . "Content-Type: application/json\r\nContent-Length: " . length($body) . "\r\n";
+	while (my ($k, $v) = splice(@headers, 0, 2)) { $req .= "$k: $v\r\n"; }
+	print $s "$req\r\n$body";
+	local $/;
+	my $resp = <$s> // '';
+	close $s;
+	my ($status) = $resp =~ m{^HTTP/1\.\d (\d{3})};
+	$resp =~ s/^.*?\r\n\r\n//s;
+	return ($status // 0, $resp);
+}
+
+# --- brokers
+
+my (@brokers, @rabbits);
+END
+{
+	local $?;
+	$_->kill_kill for grep { $_->pumpable } @brokers;
+	foreach my $r (@rabbits)
+	{
+		stop_rabbit($r) if $r->{h};
+		local @ENV{ keys %{ $r->{env} } } = values %{ $r->{env} };
+		system('epmd', '-port', $r->{env}{ERL_EPMD_PORT}, '-kill');
+	}
+}
+
+sub stop_broker
+{
+	my ($h) = @_;
+	$h->signal('TERM');
+	$h->finish;
+	return;
+}
+
+# redis-cli @args against 127.0.0.1:$port (--raw); its output
+sub redis_cli
+{
+	my ($port, @args) = @_;
+	my $o = '';
+	IPC::Run::run([ 'redis-cli', '-h', '127.0.0.1', '-p', $port, '--raw', @args ], '>', \$o, '2>', \my $e);
+	return $o;
+}
+
+# redis-server in $dir, append-only with fsync always (a restart keeps the
+# streams); the harness once it answers PING
+sub start_redis
+{
+	my ($dir, $port) = @_;
+	my $h = IPC::Run::start(
+		[
+			'redis-server', '--port', $port, '--bind', '127.0.0.1', '--dir', $dir,
+			'--save', '', '--appendonly', 'yes', '--appendfsync', 'always', '--protected-mode', 'yes'
+		],
+		'<', \undef, '>>', "$dir/redis.log", '2>&1');
+	push @brokers, $h;
+	wait_until(20, sub { redis_cli($port, 'PING') =~ /PONG/ })
+	  or die 'redis-server did not start: ' . PostgreSQL::Test::Utils::slurp_file("$dir/redis.log");
+	return $h;
+}
+
+# nats-server with JetStream, file storage in $dir/js (a restart keeps the
+# streams); the harness once it accepts connections
+sub start_nats
+{
+	my ($dir, $port) = @_;
+	require IO::Socket::INET;
+	my $h = IPC::Run::start(
+		[ 'nats-server', '-js', '-a', '127.0.0.1', '-p', $port, '-sd', "$dir/js", '-l', "$dir/nats.log" ],
+		'<', \undef, '>>', "$dir/nats.out", '2>&1');
+	push @brokers, $h;
+	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
+	  or die 'nats-server did not start';
+	return $h;
+}
+
+# requests over one connection to nats-server on $port:
+# nats_requests($port, [subject, payload, msg_id], ...) (msg_id: sent as
+# header Nats-Msg-Id if defined) returns the reply payloads (undef for no
+# responders)
+sub nats_requests
+{
+	my ($port, @req) = @_;
+	require IO::Socket::INET;
+	my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port, Timeout => 10)
+	  or return;
+	my $info = <$s>;
+	print $s qq{CONNECT {"verbose":false,"pedantic":false,"headers":true,"no_responders":true}\r\nSUB _INBOX.t 1\r\n};
+	my @replies;
+	foreach my $r (@req)
+	{
+		my ($subject, $payload, $msg_id) = @$r;
+		if (defined $msg_id)
+		{
+			my $h = "NATS/1.0\r\nNats-Msg-Id: $msg_id\r\n\r\n";
+			print $s "HPUB $subject _INBOX.t " . length($h) . ' ' . (length($h) + length($payload))
+			  . "\r\n$h$payload\r\n";
+		}
+		else
+		{
+			print $s "PUB $subject _INBOX.t " . length($payload) . "\r\n$payload\r\n";
+		}
+		my $reply;
+		while (defined(my $line = <$s>))
+		{
+			if ($line =~ /^PING/) { print $s "PONG\r\n"; next; }
+			if ($line =~ /^MSG\s.*?(\d+)\s*$/)
+			{
+				read($s, $reply, $1 + 2);
+				$reply = substr($reply, 0, $1);
+				last;
+			}
+			if ($line =~ /^HMSG\s.*?(\d+)\s*$/)
+			{
+				read($s, my $skip, $1 + 2);
+				$reply = undef;
+				last;
+			}
+			die "nats: $line" if $line =~ /^-ERR/;
+		}
+		push @replies, $reply;
+	}
+	close $s;
+	return @replies;
+}
+
+# A RabbitMQ node of the test's user: a private node directory under
+# $tmp, RABBITMQ_* variables, every port (epmd's too) free and on
+# 127.0.0.1; helpers/amqp_dump.c built.  Returns {env, port, dump}.
+sub rabbit_node
+{
+	my ($tmp) = @_;
+	require File::Basename;
+	my $dump = "$tmp/amqp_dump";
+	my $cflags = `pkg-config --cflags --libs librabbitmq`;
+	chomp $cflags;
+	system("cc -o $dump " . File::Basename::dirname(__FILE__) . "/helpers/amqp_dump.c $cflags") == 0
+	  or BAIL_OUT('cannot build helpers/amqp_dump.c');
+	my ($port, $dist, $epmd) = (free_port(), free_port(), free_port());
+	my %env = (
+		HOME => $tmp,
+		RABBITMQ_NODENAME => "idemtest$port\@localhost",
+		RABBITMQ_NODE_IP_ADDRESS => '127.0.0.1',
+		RABBITMQ_NODE_PORT => $port,
+		RABBITMQ_DIST_PORT => $dist,
+		ERL_EPMD_PORT => $epmd,
+		ERL_EPMD_ADDRESS => '127.0.0.1',
+		RABBITMQ_MNESIA_BASE => "$tmp/mnesia",
+		RABBITMQ_LOG_BASE => "$tmp/log",
+		RABBITMQ_CONFIG_FILE => "$tmp/rabbitmq",
+		RABBITMQ_ENABLED_PLUGINS_FILE => "$tmp/enabled_plugins",
+		RABBITMQ_PID_FILE => "$tmp/rabbit.pid",
+		RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS => '-kernel inet_dist_use_interface {127,0,0,1}',
+	);
+	open my $fh, '>', "$tmp/enabled_plugins" or die;
+	print $fh "[].\n";
+	close $fh;
+	open $fh, '>', "$tmp/rabbitmq.conf" or die;
+	print $fh "listeners.tcp.default = 127.0.0.1:$port\n";
+	close $fh;
+	my $r = { env => \%env, port => $port, dump => $dump, tmp => $tmp };
+	push @rabbits, $r;
+	return $r;
+}
+
+# amqp_dump PORT @args (helpers/amqp_dump.c), $stdin its input; its
+# output, undef if it failed
+sub amqp
+{
+	my ($r, $stdin, @args) = @_;
+	my ($out, $err) = ('', '');
+	IPC::Run::run([ $r->{dump}, $r->{port}, @args ], '<', \$stdin, '>', \$out, '2>', \$err);
+	return $? == 0 ? $out : undef;
+}
+
+# start the node; up once queue $queue (durable) is declared
+sub start_rabbit
+{
+	my ($r, $queue) = @_;
+	local @ENV{ keys %{ $r->{env} } } = values %{ $r->{env} };
+	$r->{h} = IPC::Run::start(['/usr/lib/rabbitmq/bin/rabbitmq-server'],
+		'<', \undef, '>>', "$r->{tmp}/rabbit.out", '2>&1');
+	wait_until(90, sub { defined amqp($r, '', 'declare', $queue) }) or BAIL_OUT('rabbitmq did not start');
+	return;
+}
+
+sub stop_rabbit
+{
+	my ($r) = @_;
+	local @ENV{ keys %{ $r->{env} } } = values %{ $r->{env} };
+	IPC::Run::run([ '/usr/lib/rabbitmq/bin/rabbitmqctl', 'shutdown' ], '>', \my $o, '2>&1');
+	$r->{h}->finish if $r->{h};
+	$r->{h} = undef;
+	return;
+}
+
+# --- relays
 
 sub kill_relay
 {
@@ -146,7 +449,8 @@ sub stop_relay
 	my ($r) = @_;
 	$r->{h}->signal('TERM');
 	my $t0 = time;
-	while ($r->{h}->pumpable && time - $t0 < 30) { usleep(100_000); $r->{h}->pump_nb; }
+	# (pump_nb dies if the process ended between pumpable and it)
+	while ($r->{h}->pumpable && time - $t0 < 30) { usleep(100_000); eval { $r->{h}->pump_nb }; }
 	$r->{h}->finish if !$r->{h}->pumpable;
 	return !$r->{h}->pumpable && $r->{h}->result == 0;
 }

@@ -273,7 +273,7 @@ static void
 check_inbound(relay_config *cfg, int sink_given)
 {
 	const source_ops *src = source_find(cfg->in);
-	const char *const specs[2] = {cfg->message_id, cfg->ordering_key};
+	const char *specs[2];
 	int			i;
 
 	if (!src)
@@ -290,6 +290,8 @@ check_inbound(relay_config *cfg, int sink_given)
 		cfg->message_id = src->default_message_id;
 	if (!*cfg->source)
 		config_error("--source must not be empty%s%s", "", "");
+	specs[0] = cfg->message_id;
+	specs[1] = cfg->ordering_key;
 	for (i = 0; i < 2; i++)
 		if (*specs[i] && strncmp(specs[i], "header:", 7) != 0 && strncmp(specs[i], "json:/", 6) != 0)
 			config_error("invalid %s \"%s\": header:NAME or json:/POINTER expected",

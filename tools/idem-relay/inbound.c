@@ -92,12 +92,12 @@ db_open_inbound(inbound_db *db, const relay_config *cfg)
 	snprintf(db->receive_sql, sizeof(db->receive_sql),
 			 "SELECT m.ord, %s.idem_inbox_receive($1, m.id, m.payload, m.headers)::text "
 			 "FROM (SELECT e.ord, "
-			 "             pg_catalog.coalesce(e.v->>'i', (e.v->>'b')::jsonb #>> $3::text[]) AS id, "
+			 "             COALESCE(e.v->>'i', (e.v->>'b')::jsonb #>> $3::text[]) AS id, "
 			 "             (e.v->>'b')::jsonb AS payload, "
 			 "             CASE WHEN k.k IS NULL THEN e.v->'h' "
 			 "                  ELSE (e.v->'h') || pg_catalog.jsonb_build_object('ordering_key', k.k) END AS headers "
 			 "      FROM pg_catalog.jsonb_array_elements($2::jsonb) WITH ORDINALITY e(v, ord), "
-			 "           LATERAL (SELECT pg_catalog.coalesce(e.v->'k', (e.v->>'b')::jsonb #> $4::text[]) AS k) k) m",
+			 "           LATERAL (SELECT COALESCE(e.v->'k', (e.v->>'b')::jsonb #> $4::text[]) AS k) k) m",
 			 schema);
 	log_msg(LOG_INFO, "connected to the database", "source", cfg->source, NULL);
 	return 0;
