@@ -9,7 +9,8 @@
 # for one source only (inbound_role), the relay started with --in
 # (start_inbound), messages with deliberate duplicates (inbound_messages),
 # what the inbox holds (inbox_rows) and the checks of it (check_inbox), and
-# a webhook POST (http_post).  The brokers, each on 127.0.0.1 and a free
+# a webhook POST (http_post); the run every broker source's test makes
+# (inbound_scenario).  The brokers, each on 127.0.0.1 and a free
 # port with its data in a directory of the test's: redis (start_redis,
 # redis_cli), nats-server with JetStream (start_nats, nats_requests: a few
 # lines of the NATS protocol), RabbitMQ (rabbit_node, start_rabbit,
@@ -36,7 +37,7 @@ our @EXPORT = qw(relay_node relay_role need_binary free_port start_emitters
   emit_poison http_get relay_connstr drain_and_dead_letter inbound_role
   start_inbound inbound_messages inbox_rows check_inbox http_post metric
   start_redis redis_cli stop_broker start_nats nats_requests rabbit_node
-  start_rabbit stop_rabbit amqp);
+  start_rabbit stop_rabbit amqp inbound_scenario);
 
 # skip the whole test if $bin is not on PATH, unless CI=true (then fail)
 sub need_binary
@@ -227,6 +228,56 @@ sub check_inbox
 	is(scalar(@foreign), 0, 'nothing is stored that was not sent') or diag("foreign: @foreign");
 	is(scalar(@wrong), 0, 'each message is stored with its payload') or diag("wrong: @wrong");
 	return;
+}
+
+# The run of a broker source's test (096-098), as role inbound for inbox
+# source $o{source}: 600 messages (inbound_messages 'w', 60 of them twice)
+# published in 10 rounds by $o{publish}->(@messages); the relay
+# ($o{start}->(): start_inbound's harness) killed with SIGKILL mid-stream
+# and restarted, the broker restarted ($o{restart_broker}->(): stopped for
+# 3 s, started) while messages wait; every message stored once, none lost,
+# and $o{unacked}->() (the broker's messages not acked, read or not) 0 at
+# the end.  Then the database refuses (capability revoked): 20 more
+# messages ('r') fail, none is stored and none acked ($o{unacked} counts
+# them all) until the capability is back; then they are stored and acked.
+# Returns (the relay, every message sent).
+sub inbound_scenario
+{
+	my (%o) = @_;
+	my ($node, $source) = ($o{node}, $o{source});
+	my $stored = sub { scalar(keys %{ inbox_rows($node, $source) }) };
+	my @msgs = inbound_messages('w', 600);
+	my @rounds = map { [ @msgs[ $_ * 66 .. ($_ == 9 ? $#msgs : $_ * 66 + 65) ] ] } 0 .. 9;
+
+	$o{publish}->(@{ shift @rounds }) for 1 .. 3;
+	my $relay = $o{start}->();
+	ok(wait_until(60, sub { $stored->() >= 60 }), 'messages are stored');
+	kill_relay($relay);
+	note('relay killed with SIGKILL after ' . $stored->() . ' stored; not acked: ' . $o{unacked}->());
+	$o{publish}->(@{ shift @rounds }) for 1 .. 2;
+	$relay = $o{start}->();
+	ok(wait_until(60, sub { $stored->() >= 250 }), 'the restarted relay stores');
+	$o{restart_broker}->();
+	$o{publish}->(@{ shift @rounds }) while @rounds;
+	ok(wait_until(90, sub { $stored->() >= 540 }), 'storing resumes once the broker is back');
+	ok(wait_until(30, sub { $o{unacked}->() == 0 }), 'every message was acked');
+	check_inbox($node, $source, @msgs);
+	like(metric($relay, 'idem_relay_in_source_reconnects_total'), qr/^[1-9]\d*$/,
+		'metrics: the reconnection to the broker counted');
+
+	$node->safe_psql('postgres', q{SELECT idem_revoke('inbound')});
+	my @refused = inbound_messages('r', 20);
+	$o{publish}->(@refused);
+	ok(wait_until(30, sub { (metric($relay, 'idem_relay_in_failed_total') // 0) > 0 }),
+		'with the capability revoked, storing fails');
+	sleep 1;
+	is($o{unacked}->(), scalar(@refused), 'none of the messages is acked');
+	is(scalar(grep { /^r-/ } keys %{ inbox_rows($node, $source) }), 0, 'and none is stored');
+	$node->safe_psql('postgres', qq{SELECT idem_grant('inbound', 'handler', sources => ARRAY['$source'])});
+	ok(wait_until(60, sub { 20 == grep { /^r-/ } keys %{ inbox_rows($node, $source) } }),
+		'the capability back, they are delivered again and stored');
+	ok(wait_until(30, sub { $o{unacked}->() == 0 }), '... and acked');
+	return ($relay, @msgs, @refused);
 }
 
 # POST $body to http://127.0.0.1:$port$path with headers (name => value,
