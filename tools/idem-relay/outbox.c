@@ -6,7 +6,10 @@
  *	   COMMITTED), one lease token for the batch, each aggregate's run in
  *	   seq order;
  *	2. publish the events in the order returned, one at a time, each only
- *	   after the one before it was confirmed by the sink.  A transient
+ *	   after the one before it was confirmed by the sink (a sink with a
+ *	   pipelined path, redis, first gets every aggregate's run at once and
+ *	   confirms a prefix of each; the one-at-a-time path below then takes
+ *	   each aggregate on from its first unconfirmed event).  A transient
  *	   failure (5xx, timeout) is tried again in place, the sink reopened,
  *	   with a backoff (0.1 s doubling up to --retry-max) up to --retries
  *	   tries; a refusal (4xx) or the last try makes it the aggregate's
@@ -198,6 +201,83 @@ same_aggregate(const relay_event *a, const relay_event *b)
 		strcmp(a->aggregate_id, b->aggregate_id) == 0;
 }
 
+/* append id to the uuid[] literal being built in ids */
+static void
+add_id(char *ids, size_t *idlen, const char *id)
+{
+	memcpy(ids + *idlen, id, strlen(id));
+	*idlen += strlen(id);
+	ids[(*idlen)++] = ',';
+}
+
+/*
+ * The pipelined path (a sink with send_run): every aggregate's run of the
+ * batch sent at once, then the replies read in order; published[i] set for
+ * each event the broker confirmed, and their count returned.  What it did
+ * not confirm (a failure, a lost connection) is left to the one-at-a-time
+ * path, which starts each aggregate at its first unconfirmed event: per
+ * aggregate, order holds, since the sink publishes nothing of a run after
+ * a failed event.  Replies left unread (the connection lost) close the
+ * sink, so the one-at-a-time path reopens it.
+ */
+static int
+publish_pipelined(const relay_config *cfg, sink_handle *sink, const relay_event *ev, int n, int *published)
+{
+	char	   *targets = malloc((size_t) n * 1024);
+	const char **tp = malloc((size_t) n * sizeof(*tp));
+	int		   *run = malloc((size_t) (n + 1) * sizeof(*run));
+	int			nruns = 0,
+				sent = 0,
+				r,
+				i,
+				npub = 0;
+	char		err[512] = "";
+
+	if (!targets || !tp || !run)
+	{
+		log_msg(LOG_ERROR, "out of memory", NULL);
+		exit(1);
+	}
+	for (i = 0; i < n; i++)
+	{
+		sink_expand(cfg->target, &ev[i], targets + (size_t) i * 1024, 1024);
+		tp[i] = targets + (size_t) i * 1024;
+		if (i == 0 || !same_aggregate(&ev[i], &ev[i - 1]))
+			run[nruns++] = i;
+	}
+	run[nruns] = n;
+	for (r = 0; r < nruns; r++, sent++)
+		if (sink->ops->send_run(sink->state, &ev[run[r]], &tp[run[r]], run[r + 1] - run[r],
+								err, sizeof(err)) != 0)
+			break;
+	for (r = 0; r < sent; r++)
+	{
+		int			confirmed = 0;
+		sink_result res = sink->ops->recv_run(sink->state, &confirmed, err, sizeof(err));
+
+		for (i = 0; i < confirmed && run[r] + i < run[r + 1]; i++)
+		{
+			published[run[r] + i] = 1;
+			npub++;
+		}
+		if (res != SINK_OK)
+			log_msg(LOG_DEBUG, "pipelined publish stopped in a run: going on one event at a time",
+					"id", ev[run[r] + confirmed < run[r + 1] ? run[r] + confirmed : run[r]].id,
+					"error", err, NULL);
+		if (res == SINK_DOWN)
+			break;
+	}
+	if (r < sent)
+	{
+		sink->ops->close(sink->state);
+		sink->open = 0;
+	}
+	free(targets);
+	free(tp);
+	free(run);
+	return npub;
+}
+
 static batch_status
 run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 {
@@ -215,7 +295,8 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 				db_gone = 0,
 				skip_from = -1;
 	relay_event *ev;
-	int		   *failed;
+	int		   *failed,
+			   *published;
 	char	  **fail_err;
 	char	   *ids;
 	size_t		idlen = 0;
@@ -248,8 +329,9 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	ev = calloc((size_t) n, sizeof(*ev));
 	failed = calloc((size_t) n, sizeof(*failed));
 	fail_err = calloc((size_t) n, sizeof(*fail_err));
+	published = calloc((size_t) n, sizeof(*published));
 	ids = malloc((size_t) n * 37 + 3);
-	if (!ev || !failed || !fail_err || !ids)
+	if (!ev || !failed || !fail_err || !published || !ids)
 	{
 		log_msg(LOG_ERROR, "out of memory", NULL);
 		exit(1);
@@ -279,11 +361,22 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	}
 	ids[idlen++] = '{';
 
+	if (sink->ops->send_run && sink->open)
+	{
+		npub = publish_pipelined(cfg, sink, ev, n, published);
+		metric_add(M_PUBLISHED, (uint64_t) npub);
+		for (i = 0; i < n; i++)
+			if (published[i])
+				add_id(ids, &idlen, ev[i].id);
+	}
+
 	for (i = 0; i < n && !relay_stopping && !lost && !db_gone; i++)
 	{
 		int			tries = 0;
 		double		backoff = 0.1;
 
+		if (published[i])
+			continue;
 		/* the rest of an aggregate that failed waits for its retry */
 		if (skip_from >= 0 && same_aggregate(&ev[i], &ev[skip_from]))
 			continue;
@@ -328,9 +421,7 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 				r = sink->ops->publish(sink->state, &ev[i], target, err, sizeof(err));
 			if (r == SINK_OK)
 			{
-				memcpy(ids + idlen, ev[i].id, strlen(ev[i].id));
-				idlen += strlen(ev[i].id);
-				ids[idlen++] = ',';
+				add_id(ids, &idlen, ev[i].id);
 				npub++;
 				metric_add(M_PUBLISHED, 1);
 				break;
@@ -445,6 +536,7 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 		free(fail_err[i]);
 	free(fail_err);
 	free(failed);
+	free(published);
 	free(ids);
 	free(ev);
 	PQclear(res);

@@ -159,14 +159,30 @@ typedef struct sink_ops
 	 */
 	int			(*flush) (void *state, char *err, size_t errlen);
 	void		(*close) (void *state);
+
+	/*
+	 * NULL, or a pipelined path for a whole batch (outbox.c tries it
+	 * first): send_run queues one aggregate's run (n events in seq order,
+	 * to targets[i]) without waiting for the broker, 0 or -1 (err);
+	 * recv_run reads the reply of the oldest run sent and not read: how
+	 * many of its events (a prefix) the broker confirmed into *confirmed,
+	 * and SINK_OK if all, else the failure of the next one; the sink
+	 * guarantees that no event after it in the run was published.
+	 */
+	int			(*send_run) (void *state, const relay_event *evs, const char *const *targets, int n,
+							 char *err, size_t errlen);
+	sink_result (*recv_run) (void *state, int *confirmed, char *err, size_t errlen);
 } sink_ops;
 
 /*
  * A sink's entry: its name, the URL and target template used when none is
- * given, and its functions (flush may be NULL).
+ * given, and its functions (flush may be NULL); SINK_DEFINE_PIPELINED with
+ * send_run and recv_run too.
  */
 #define SINK_DEFINE(var, nm, url, target, open_fn, publish_fn, flush_fn, close_fn) \
-	const sink_ops var = {nm, url, target, open_fn, publish_fn, flush_fn, close_fn}
+	const sink_ops var = {nm, url, target, open_fn, publish_fn, flush_fn, close_fn, NULL, NULL}
+#define SINK_DEFINE_PIPELINED(var, nm, url, target, open_fn, publish_fn, close_fn, send_fn, recv_fn) \
+	const sink_ops var = {nm, url, target, open_fn, publish_fn, NULL, close_fn, send_fn, recv_fn}
 
 /* the sink named name, NULL if not compiled in */
 const sink_ops *sink_find(const char *name);
