@@ -30,10 +30,11 @@
 IDEM_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron postgresql-15-wal2json
                postgresql-15-pgtap pgtap libipc-run-perl python3-psycopg2 prometheus-postgres-exporter curl
                postgresql-15-plproxy
-               libpq-dev libcurl4-openssl-dev libhiredis-dev libnats-dev librabbitmq-dev libmicrohttpd-dev
+               libpq-dev libcurl4-openssl-dev libhiredis-dev libnats-dev librabbitmq-dev libmicrohttpd-dev libssl-dev
                redis-server redis-tools nats-server rabbitmq-server python3)
-# (the last two lines: idem-relay's client libraries and the brokers its
-# TAP tests start, test/tap/09x_relay_*.pl)
+# (the last two lines: idem-relay's client libraries, libssl-dev for the
+# webhook receiver's HMAC, and the brokers its TAP tests start,
+# test/tap/09x_relay_*.pl)
 # what examples/demo/run uses: the server, the build, pg_cron (preloaded)
 IDEM_DEMO_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-15-cron)
 

@@ -5,8 +5,9 @@
 # arrived, nothing rolled back did, first arrivals per aggregate are in seq
 # order, duplicates are at most one batch per kill (lost acks, counted and
 # printed); SIGTERM drains and exits 0; the metrics endpoint counts.  Also
-# the configuration: --help names the sinks compiled in, bad configuration
-# (flags, environment, file) exits 2 with a message, and a file and the
+# the configuration: --help names the sinks and sources compiled in, bad
+# configuration (flags, environment, file; outbound and --in) exits 2 with
+# a message, and a file and the
 # environment are read with the command line winning.
 use strict;
 use warnings;
@@ -25,6 +26,8 @@ my ($out, $err);
 IPC::Run::run([ 'idem-relay', '--help' ], '>', \$out, '2>', \$err);
 like($out, qr/Sinks compiled in: stdout/, '--help names the sinks compiled in');
 like($out, qr/--metrics-listen/, '--help lists the options');
+like($out, qr/Sources compiled in: /, '--help names the sources compiled in');
+like($out, qr/--in SOURCE.*--hmac-secret/s, '--help lists the inbound options');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my @bad = (
@@ -38,6 +41,17 @@ my @bad = (
 	[ [], { IDEM_RELAY_LEASE => 'soon' }, qr/invalid value "soon" for IDEM_RELAY_LEASE/ ],
 	[ [ '--config', "$tmp/missing.conf" ], {}, qr/could not open configuration file/ ],
 	[ [ '--batch' ], {}, qr/option --batch needs a value/ ],
+	# inbound (--in)
+	[ [ '--in', 'kafka' ], {}, qr/unknown source "kafka" \(compiled in: / ],
+	[ [ '--in', 'http', '--sink', 'stdout' ], {}, qr/--in and --sink exclude each other/ ],
+	[ [ '--in', 'http' ], { IDEM_RELAY_SINK => 'redis' }, qr/--in and --sink exclude each other/ ],
+	[ [ '--in', 'http', '--message-id', 'Idempotency-Key' ], {}, qr/invalid --message-id "Idempotency-Key": header:NAME or json:\/POINTER expected/ ],
+	[ [ '--in', 'http', '--message-id', 'header:' ], {}, qr/--message-id must name a header or a JSON pointer/ ],
+	[ [ '--in', 'http', '--ordering-key', 'json:account' ], {}, qr/invalid --ordering-key "json:account"/ ],
+	[ [ '--in', 'http', '--source', '' ], {}, qr/--source must not be empty/ ],
+	[ [ '--in', 'http', '--hmac-format', 'md5' ], {}, qr/invalid --hmac-format "md5": hex or stripe/ ],
+	[ [ '--in', 'redis', '--hmac-secret', 'x' ], {}, qr/--hmac-secret is for --in http only/ ],
+	[ [ '--in', 'http', '--hmac-tolerance', '-1' ], {}, qr/invalid value "-1" for --hmac-tolerance/ ],
 );
 open my $fh, '>', "$tmp/bad.conf" or die;
 print $fh "# a comment\nbatch = 5\nfrobnicate = 1\n";

@@ -201,12 +201,10 @@ inbound_run(const relay_config *cfg, const source_ops *ops)
 {
 	inbound_db	db = {0};
 	void	   *state = NULL;
-	int			source_open = 0,
-				connected_once = 0,
-				opened_once = 0;
-	double		db_backoff = 0.1,
-				source_backoff = 0.1,
-				fail_backoff = 0.1;
+	int			source_open = 0;
+	relay_retry db_retry = {0},
+				source_retry = {0};
+	double		fail_backoff = 0.1;
 	relay_buf	id_path = {0},
 				key_path = {0};
 	relay_message *msgs = calloc((size_t) cfg->batch, sizeof(*msgs));
@@ -234,36 +232,20 @@ inbound_run(const relay_config *cfg, const source_ops *ops)
 		double		t0;
 		uint64_t	counts[4] = {0};
 
-		if (!db.conn)
-		{
-			if (db_open_inbound(&db, cfg) != 0)
-			{
-				relay_sleep(db_backoff);
-				db_backoff = relay_backoff(db_backoff, 10);
-				continue;
-			}
-			if (connected_once)
-				metric_add(M_DB_RECONNECTS, 1);
-			connected_once = 1;
-			db_backoff = 0.1;
-		}
+		if (!db.conn && !relay_retry_done(&db_retry, db_open_inbound(&db, cfg) == 0, M_DB_RECONNECTS))
+			continue;
 		if (!source_open)
 		{
-			if (ops->open(&state, cfg, err, sizeof(err)) != 0)
-			{
+			int			ok = ops->open(&state, cfg, err, sizeof(err)) == 0,
+						again = source_retry.opened;
+
+			if (!ok)
 				log_msg(LOG_WARN, "cannot open the source", "in", ops->name, "url", cfg->url,
 						"error", err, NULL);
-				relay_sleep(source_backoff);
-				source_backoff = relay_backoff(source_backoff, 10);
+			if (!relay_retry_done(&source_retry, ok, M_IN_SOURCE_RECONNECTS))
 				continue;
-			}
-			if (opened_once)
-				metric_add(M_IN_SOURCE_RECONNECTS, 1);
-			log_msg(opened_once ? LOG_INFO : LOG_DEBUG, "source open", "in", ops->name,
-					"url", cfg->url, NULL);
-			opened_once = 1;
+			log_msg(again ? LOG_INFO : LOG_DEBUG, "source open", "in", ops->name, "url", cfg->url, NULL);
 			source_open = 1;
-			source_backoff = 0.1;
 		}
 		memset(msgs, 0, sizeof(*msgs) * (size_t) cfg->batch);
 		n = ops->fetch(state, msgs, cfg->batch, cfg->poll, err, sizeof(err));

@@ -64,6 +64,24 @@ relay_backoff(double b, double cap)
 	return b * 2 > cap ? cap : b * 2;
 }
 
+int
+relay_retry_done(relay_retry *r, int ok, enum metric m)
+{
+	if (r->backoff < 0.1)
+		r->backoff = 0.1;
+	if (!ok)
+	{
+		relay_sleep(r->backoff);
+		r->backoff = relay_backoff(r->backoff, 10);
+		return 0;
+	}
+	if (r->opened)
+		metric_add(m, 1);
+	r->opened = 1;
+	r->backoff = 0.1;
+	return 1;
+}
+
 void
 relay_block_signals(sigset_t *old)
 {

@@ -591,8 +591,8 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 {
 	relay_db	db;
 	sink_handle sink = {ops, NULL, 0};
-	double		db_backoff = 0.1,
-				sink_backoff = 0.1;
+	relay_retry db_retry = {0};
+	double		sink_backoff = 0.1;
 	int			connected_once = 0;
 
 	memset(&db, 0, sizeof(db));
@@ -604,18 +604,13 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 
 		if (!db.conn)
 		{
-			if (db_open(&db, cfg) != 0)
-			{
-				if (cfg->once)
-					return 1;
-				relay_sleep(db_backoff);
-				db_backoff = relay_backoff(db_backoff, 10);
+			int			ok = db_open(&db, cfg) == 0;
+
+			if (!ok && cfg->once)
+				return 1;
+			if (!relay_retry_done(&db_retry, ok, M_DB_RECONNECTS))
 				continue;
-			}
-			if (connected_once)
-				metric_add(M_DB_RECONNECTS, 1);
 			connected_once = 1;
-			db_backoff = 0.1;
 		}
 		if (!sink.open)
 		{

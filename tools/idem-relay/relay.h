@@ -364,6 +364,20 @@ void		relay_sleep(double seconds);
 /* the next backoff after b: doubled, at most cap */
 double		relay_backoff(double b, double cap);
 
+/* a connection kept open by a loop: its backoff, and whether it ever opened */
+typedef struct relay_retry
+{
+	double		backoff;
+	int			opened;
+} relay_retry;
+
+/*
+ * after an attempt to open r's connection: if it failed (!ok), sleep the
+ * backoff (0.1 s doubling to 10 s) and return 0; else reset the backoff,
+ * count metric m if it opened before (a reconnection), and return 1
+ */
+int			relay_retry_done(relay_retry *r, int ok, enum metric m);
+
 /* block SIGTERM and SIGINT in the calling thread (before starting a thread
  * that must not take them: it inherits the mask); restore with old */
 void		relay_block_signals(sigset_t *old);

@@ -192,35 +192,67 @@ rs_entries(redis_source *st, redisReply *r, relay_message *msgs, int max)
 	return n;
 }
 
+/*
+ * XREADGROUP ... [BLOCK block] STREAMS stream id into msgs: how many, or
+ * -1 (lost, or an error such as NOGROUP: the stream or group was deleted,
+ * reopening recreates it); *listed: the entries the reply had
+ */
+static int
+rs_read(redis_source *st, const char *id, const char *block, relay_message *msgs, int max,
+		size_t *listed, char *err, size_t errlen)
+{
+	const char *argv[11];
+	char		count[16];
+	int			argc = 0,
+				n;
+	redisReply *r;
+
+	snprintf(count, sizeof(count), "%d", max);
+	argv[argc++] = "XREADGROUP";
+	argv[argc++] = "GROUP";
+	argv[argc++] = st->cfg->group;
+	argv[argc++] = st->cfg->consumer;
+	argv[argc++] = "COUNT";
+	argv[argc++] = count;
+	if (block)
+	{
+		argv[argc++] = "BLOCK";
+		argv[argc++] = block;
+	}
+	argv[argc++] = "STREAMS";
+	argv[argc++] = st->cfg->target;
+	argv[argc++] = id;
+	if (!(r = rs_command(st, argc, argv, err, errlen)))
+		return -1;
+	if (r->type == REDIS_REPLY_ERROR)
+	{
+		snprintf(err, errlen, "XREADGROUP: %s", r->str);
+		freeReplyObject(r);
+		return -1;
+	}
+	n = rs_entries(st, r, msgs, max);
+	*listed = rs_entry_list(r) ? rs_entry_list(r)->elements : 0;
+	freeReplyObject(r);
+	return n;
+}
+
 static int
 rs_fetch(void *state, relay_message *msgs, int max, double wait, char *err, size_t errlen)
 {
 	redis_source *st = state;
-	char		count[16],
-				block[32];
-	redisReply *r;
+	char		block[32];
+	size_t		listed;
 	int			n;
 
-	snprintf(count, sizeof(count), "%d", max);
 	if (relay_now() >= st->next_autoclaim && rs_autoclaim(st, err, errlen) != 0)
 		return -1;
 	if (st->pending)
 	{
-		const char *argv[] = {"XREADGROUP", "GROUP", st->cfg->group, st->cfg->consumer,
-		"COUNT", count, "STREAMS", st->cfg->target, st->from};
-
-		if (!(r = rs_command(st, 9, argv, err, errlen)))
+		n = rs_read(st, st->from, NULL, msgs, max, &listed, err, errlen);
+		if (n < 0)
 			return -1;
-		if (r->type == REDIS_REPLY_ERROR)
-		{
-			snprintf(err, errlen, "XREADGROUP: %s", r->str);
-			freeReplyObject(r);
-			return -1;
-		}
-		n = rs_entries(st, r, msgs, max);
-		if (!rs_entry_list(r) || rs_entry_list(r)->elements == 0)
+		if (listed == 0)
 			st->pending = 0;	/* the pending list is read through */
-		freeReplyObject(r);
 		if (n > 0 || st->pending)
 			return n;
 	}
@@ -228,23 +260,7 @@ rs_fetch(void *state, relay_message *msgs, int max, double wait, char *err, size
 	if (wait > st->cfg->timeout / 2)
 		wait = st->cfg->timeout / 2;
 	snprintf(block, sizeof(block), "%lld", (long long) (wait * 1000) + 1);
-	{
-		const char *argv[] = {"XREADGROUP", "GROUP", st->cfg->group, st->cfg->consumer,
-		"COUNT", count, "BLOCK", block, "STREAMS", st->cfg->target, ">"};
-
-		if (!(r = rs_command(st, 11, argv, err, errlen)))
-			return -1;
-	}
-	if (r->type == REDIS_REPLY_ERROR)
-	{
-		/* NOGROUP: the stream or group was deleted; reopening recreates it */
-		snprintf(err, errlen, "XREADGROUP: %s", r->str);
-		freeReplyObject(r);
-		return -1;
-	}
-	n = rs_entries(st, r, msgs, max);
-	freeReplyObject(r);
-	return n;
+	return rs_read(st, ">", block, msgs, max, &listed, err, errlen);
 }
 
 static int
