@@ -68,8 +68,11 @@ if ($pid == 0)
 {
 	open my $out, '>', $log or POSIX::_exit(1);
 	$out->autoflush(1);
+	my $sent = 0;
 	foreach my $m (@msgs)
 	{
+		# the rest once the database refuses (file go)
+		usleep(100_000) while $sent++ == 400 && !-e "$tmp/go";
 		my $t0 = time;
 		while (1)
 		{
@@ -91,6 +94,8 @@ ok(wait_until(60, sub { stored() >= 300 }), 'the restarted relay stores');
 
 # the database refuses: 503, nothing stored, until the capability is back
 $node->safe_psql('postgres', q{SELECT idem_revoke('inbound')});
+open my $go, '>', "$tmp/go" or die;
+close $go;
 ok(wait_until(30, sub { (metric($relay, 'idem_relay_in_failed_total') // 0) > 0 }),
 	'with the capability revoked, messages fail');
 my $frozen = stored();
