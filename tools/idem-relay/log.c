@@ -3,9 +3,11 @@
  * logfmt (ts=... level=... msg="..." key=value) or JSON lines
  * (--log-format json).  Debug lines only with --verbose.
  *
- * Called from the main thread only (the metrics thread logs nothing after
- * it started), so no lock; each line is written with one fputs on an
- * unbuffered-by-line stream.
+ * Called from the main thread and from source_http.c's request threads
+ * (the metrics thread logs nothing after it started): each line is built
+ * in a local buffer and written with one fputs on a line-buffered stream,
+ * which stdio locks for the call, so lines never interleave; the settings
+ * are written once, by log_init, before any thread starts.
  */
 #include "relay.h"
 

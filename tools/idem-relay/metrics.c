@@ -3,7 +3,7 @@
  * (--metrics-listen HOST:PORT; GET /metrics, anything else 404).
  *
  * Locking: the main thread adds to the counters, the histogram and the lag
- * gauge; one thread of ours serves them, one connection at a time
+ * gauge (source_http.c's request threads to the rejected counter); one thread of ours serves them, one connection at a time
  * (blocking, a 2-second receive timeout per client).  Every shared value is
  * a C11 atomic, updated and read with relaxed order: a scrape may see a
  * batch half counted, never a torn value.
