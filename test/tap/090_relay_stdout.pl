@@ -87,6 +87,22 @@ close $fh;
 	like($err, qr/msg="batch done" claimed=7 published=7/, 'the file set the batch (7), the environment the sink');
 }
 
+# --subscription: a relay of another subscription delivers the same events
+# again, its own progress apart; one of no subscription exits non-zero
+$node->safe_psql($db, q{SELECT idem_outbox_subscribe('audit', ARRAY['load'], 'earliest')});
+IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--subscription', 'audit', '--once', '-v' ],
+	'<', \undef, '>', \$out, '2>', \$err);
+is($?, 0, '--subscription audit --once exits 0');
+is(scalar(grep { /"aggregate_id":"pre"/ } split /\n/, $out), 10,
+	'... having delivered the 10 events that the default subscription had delivered already');
+is($node->safe_psql($db, q{SELECT pending FROM idempotency.outbox_subscriptions_status WHERE name = 'audit'}),
+	'0', '... and acked them on audit');
+IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--subscription', 'nosuch', '--once' ],
+	'<', \undef, '>', \$out, '2>', \$err);
+isnt($?, 0, '--subscription of none: a non-zero exit');
+like($err, qr/outbox subscription \\?"nosuch\\?" does not exist/, '... saying why');
+$node->safe_psql($db, q{SELECT idem_outbox_unsubscribe('audit')});
+
 my $emitters = start_emitters($node, 150);
 my $relay = start_relay($node, $file);
 

@@ -44,6 +44,8 @@ static const option_def options[] = {
 	"subject (nats), stream (redis) or routing key (amqp) from {aggregate_type} {event_type} {aggregate_id}"},
 	{"exchange", 0, O_STRING, OFF(exchange), "NAME", "amqp: the exchange to publish to (default: the default exchange)"},
 	{"types", 't', O_STRING, OFF(types), "LIST", "comma-separated aggregate types to take (default: all)"},
+	{"subscription", 0, O_STRING, OFF(subscription), "NAME",
+	"the outbox subscription to deliver (default: default); one relay process per subscription and sink"},
 	{"batch", 'b', O_INT, OFF(batch), "N", "events per claim (default 100)"},
 	{"lease", 'l', O_SECONDS, OFF(lease), "SECONDS", "lease of a claim, extended while a slow sink works (default 30)"},
 	{"poll", 'p', O_SECONDS, OFF(poll), "SECONDS", "claim again after this long when idle (default 1)"},
@@ -351,6 +353,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->target = NULL;
 	cfg->exchange = "";
 	cfg->types = "";
+	cfg->subscription = "default";
 	cfg->metrics_listen = "";
 	cfg->log_format = "logfmt";
 	cfg->batch = 100;

@@ -2,9 +2,9 @@
  * outbox.c: the relay loop, through the SQL API alone (doc/outbox.md, "The
  * relay protocol"):
  *
- *	1. claim: idem_outbox_claim(batch, lease, types) in autocommit (READ
- *	   COMMITTED), one lease token for the batch, each aggregate's run in
- *	   seq order;
+ *	1. claim: idem_outbox_claim(batch, lease, types, subscription) in
+ *	   autocommit (READ COMMITTED), one lease token for the batch, each
+ *	   aggregate's run in seq order;
  *	2. publish the events in the order returned, one at a time, each only
  *	   after the one before it was confirmed by the sink (a sink with a
  *	   pipelined path, redis, first gets every aggregate's run at once and
@@ -39,8 +39,8 @@
  *
  * The functions are called schema-qualified (the extension's schema, read
  * at connect); the session pins default_transaction_isolation to READ
- * COMMITTED, as claims want.  Subscriptions (issue 23) would add one
- * argument to the four calls below (claim_sql and the rest), nothing else.
+ * COMMITTED, as claims want.  Every call names the subscription the relay
+ * delivers (--subscription): one process per subscription and sink.
  *
  * Main thread only.
  */
@@ -110,16 +110,17 @@ db_open(relay_db *db, const relay_config *cfg)
 			 "         'attempts', e.attempts)::text, "
 			 "       pg_catalog.date_part('epoch', pg_catalog.now() - e.created_at) "
 			 "FROM %s.idem_outbox_claim($1::int, pg_catalog.make_interval(secs => $2::float8), "
-			 "                          pg_catalog.string_to_array(NULLIF($3::text, ''), ',')) "
+			 "                          pg_catalog.string_to_array(NULLIF($3::text, ''), ','), $4::text) "
 			 "     WITH ORDINALITY e ORDER BY e.ordinality", schema);
 	snprintf(db->ack_sql, sizeof(db->ack_sql),
-			 "SELECT %s.idem_outbox_ack($1::uuid[], $2::uuid)", schema);
+			 "SELECT %s.idem_outbox_ack($1::uuid[], $2::uuid, $3::text)", schema);
 	snprintf(db->nack_sql, sizeof(db->nack_sql),
 			 "SELECT %s.idem_outbox_nack($1::uuid, $2, "
-			 "CASE WHEN $3::float8 >= 0 THEN pg_catalog.make_interval(secs => $3::float8) END, $4::uuid)",
+			 "CASE WHEN $3::float8 >= 0 THEN pg_catalog.make_interval(secs => $3::float8) END, $4::uuid, $5::text)",
 			 schema);
 	snprintf(db->extend_sql, sizeof(db->extend_sql),
-			 "SELECT %s.idem_outbox_extend($1::uuid, pg_catalog.make_interval(secs => $2::float8))", schema);
+			 "SELECT %s.idem_outbox_extend($1::uuid, pg_catalog.make_interval(secs => $2::float8), $3::text)",
+			 schema);
 	PQclear(res);
 	log_msg(LOG_INFO, "connected to the database", "listen", cfg->listen ? "on" : "off", NULL);
 	return 0;
@@ -151,14 +152,15 @@ static int
 extend_lease(relay_db *db, const relay_config *cfg, const char *token)
 {
 	char		lease[32];
-	const char *params[2];
+	const char *params[3];
 	PGresult   *res;
 	int			covered;
 
 	snprintf(lease, sizeof(lease), "%g", cfg->lease);
 	params[0] = token;
 	params[1] = lease;
-	res = db_query(db, db->extend_sql, 2, params);
+	params[2] = cfg->subscription;
+	res = db_query(db, db->extend_sql, 3, params);
 	if (!res)
 		return -1;
 	covered = atoi(PQgetvalue(res, 0, 0));
@@ -310,7 +312,8 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	params[0] = batch;
 	params[1] = lease;
 	params[2] = cfg->types;
-	res = PQexecParams(db->conn, db->claim_sql, 3, NULL, params, NULL, NULL, 0);
+	params[3] = cfg->subscription;
+	res = PQexecParams(db->conn, db->claim_sql, 4, NULL, params, NULL, NULL, 0);
 	if (PQresultStatus(res) != PGRES_TUPLES_OK)
 	{
 		log_msg(LOG_ERROR, "claim failed", "error", PQerrorMessage(db->conn), NULL);
@@ -467,13 +470,14 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	if (npub > 0 && !db_gone)
 	{
 		PGresult   *ack;
-		const char *ap[2];
+		const char *ap[3];
 
 		ids[idlen - 1] = '}';
 		ids[idlen] = '\0';
 		ap[0] = ids;
 		ap[1] = token;
-		ack = db_query(db, db->ack_sql, 2, ap);
+		ap[2] = cfg->subscription;
+		ack = db_query(db, db->ack_sql, 3, ap);
 		if (!ack)
 			db_gone = db_lost(db);
 		else
@@ -497,7 +501,7 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	for (i = 0; i < nfail && !db_gone; i++)
 	{
 		PGresult   *nack;
-		const char *np[4];
+		const char *np[5];
 		char		retry[32];
 
 		snprintf(retry, sizeof(retry), "%g", cfg->nack_retry_after);
@@ -505,7 +509,8 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 		np[1] = fail_err[i][0] ? fail_err[i] : "publish failed";
 		np[2] = retry;
 		np[3] = token;
-		nack = db_query(db, db->nack_sql, 4, np);
+		np[4] = cfg->subscription;
+		nack = db_query(db, db->nack_sql, 5, np);
 		if (!nack)
 		{
 			db_gone = db_lost(db);
@@ -597,7 +602,7 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 
 	memset(&db, 0, sizeof(db));
 	log_msg(LOG_INFO, "starting", "sink", ops->name, "url", cfg->url, "target", cfg->target,
-			"types", *cfg->types ? cfg->types : "all", NULL);
+			"types", *cfg->types ? cfg->types : "all", "subscription", cfg->subscription, NULL);
 	while (!relay_stopping)
 	{
 		batch_status st;
