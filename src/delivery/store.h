@@ -49,6 +49,14 @@ typedef struct StoreDesc
 	 * snapshot's xmin), an index probe; NULL: check the pins again instead.
 	 */
 	const char *written_since;
+
+	/*
+	 * With pins: function(regclass, interval) -> setof text that detaches
+	 * whoever pins a partition longer than the interval setting
+	 * detach_after allows, and names them; NULL: pins hold for ever.
+	 */
+	const char *detach;
+	const char *detach_after;
 } StoreDesc;
 
 extern const StoreDesc idem_stores[IDEM_NSTORES];
