@@ -490,6 +490,18 @@ idem_capability_require_any(const char *fname, IdemCapability cap)
 	return g;
 }
 
+/*
+ * Error unless g (from idem_capability_require_any, checked for the same
+ * cap) is unlimited: for a decision taken later, when the caller may be
+ * acting as the extension's owner.
+ */
+void
+idem_capability_check_unlimited(const char *fname, IdemCapability cap, const IdemCapGrants *g)
+{
+	if (g != NULL && !g->all)
+		refuse(fname, cap, -1, NULL);
+}
+
 /* Error unless g (from idem_capability_require_any) allows value on axis. */
 void
 idem_capability_check_value(const char *fname, IdemCapability cap, const IdemCapGrants *g,

@@ -40,6 +40,8 @@ extern void idem_capability_require_unlimited(const char *fname, IdemCapability 
 extern const IdemCapGrants *idem_capability_require_any(const char *fname, IdemCapability cap);
 extern bool idem_capability_allows(const IdemCapGrants *g, IdemCapAxis axis, const char *value);
 extern bool idem_capability_limited(const IdemCapGrants *g, IdemCapAxis axis);
+extern void idem_capability_check_unlimited(const char *fname, IdemCapability cap,
+											const IdemCapGrants *g);
 extern void idem_capability_check_value(const char *fname, IdemCapability cap,
 										const IdemCapGrants *g, IdemCapAxis axis,
 										const char *value);

@@ -29,13 +29,18 @@
  *
  * Locking rules:
  *	- subscribe and unsubscribe take SHARE ROW EXCLUSIVE on
- *	  outbox_subscriptions, so they run one at a time; relays read it
- *	  without a row lock (a lock per call on one row would make every
- *	  claim write it).
- *	- unsubscribe deletes the subscription's rows, waiting for the row
- *	  locks of relays in flight.  A relay that read the subscription just
- *	  before may still make rows under its id after that; ids are never
- *	  reused, so those rows belong to no subscription and count for
+ *	  outbox_subscriptions, so they run one at a time.
+ *	- every call that works for a subscription holds a ShareLock on its
+ *	  name (an advisory locktag, IDEM_LOCKTAG_SUBSCRIPTION, which no SQL
+ *	  advisory lock can take) to the end of its transaction, taken before
+ *	  it reads the subscription; subscribe and unsubscribe take it
+ *	  Exclusive.  So unsubscribe waits for the transactions of the relays
+ *	  in flight (under lock_timeout) and then deletes every row they made,
+ *	  and a call after it waits for its commit and finds no subscription.
+ *	  A lock, not a row lock on the subscription: that would make every
+ *	  claim write the row.  A relay in REPEATABLE READ reads the
+ *	  subscription from its snapshot: rows it makes after an unsubscribe
+ *	  belong to no subscription (ids are never reused) and count for
  *	  nothing.
  *
  *-------------------------------------------------------------------------
@@ -50,7 +55,10 @@
 #include "common/spi.h"
 
 #include "catalog/pg_type.h"
+#include "common/hashfn.h"
 #include "executor/spi.h"
+#include "miscadmin.h"
+#include "storage/lock.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/timestamp.h"
@@ -174,6 +182,18 @@ text_array_names(Datum arr, char ***names)
 	return n;
 }
 
+/* Lock a subscription's name, to the end of the transaction (see the banner). */
+static void
+lock_name(const char *name, LOCKMODE mode)
+{
+	LOCKTAG		tag;
+	uint64		h = hash_bytes_extended((const unsigned char *) name, strlen(name), 0);
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
+						 IDEM_LOCKTAG_SUBSCRIPTION);
+	(void) LockAcquire(&tag, mode, false, false);
+}
+
 /*
  * Read the subscription named "name" into *sub (memory of the caller's
  * context); false if there is none.
@@ -219,6 +239,7 @@ outbox_subscription_open(FunctionCallInfo fcinfo, int argno)
 	char	   *reason;
 	char	   *start;
 
+	lock_name(name, ShareLock);
 	if (!find_subscription(name, sub, &reason, &start))
 		ereport(ERROR,
 				(errcode(ERRCODE_UNDEFINED_OBJECT),
@@ -244,7 +265,7 @@ check_types_allowed(const char *fname, const IdemCapGrants *g, char **types, int
 	if (!idem_capability_limited(g, IDEM_AXIS_TYPE))
 		return;
 	if (ntypes < 0)
-		idem_capability_require_unlimited(fname, IDEM_CAP_OPERATOR);
+		idem_capability_check_unlimited(fname, IDEM_CAP_OPERATOR, g);
 	for (int i = 0; i < ntypes; i++)
 		idem_capability_check_value(fname, IDEM_CAP_OPERATOR, g, IDEM_AXIS_TYPE, types[i]);
 }
@@ -308,6 +329,7 @@ idem_outbox_subscribe(PG_FUNCTION_ARGS)
 
 	idem_spi_connect_as_owner(&as);
 	(void) sub_exec(SS_LOCK, NULL, NULL, SPI_OK_UTILITY);
+	lock_name(name, ExclusiveLock);
 	if (find_subscription(name, &old, &reason, &old_start))
 	{
 		if (reason != NULL)
@@ -376,6 +398,7 @@ idem_outbox_unsubscribe(PG_FUNCTION_ARGS)
 
 	idem_spi_connect_as_owner(&as);
 	(void) sub_exec(SS_LOCK, NULL, NULL, SPI_OK_UTILITY);
+	lock_name(name, ExclusiveLock);
 	if (!find_subscription(name, &old, &reason, &start))
 	{
 		idem_spi_finish_as_owner(&as);
