@@ -154,11 +154,12 @@ COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
     'true if an outbox partition holds an undelivered or dead-lettered event (NULL: not a partition as the extension makes them)';
 
 -- Maintenance, before it keeps a pinned partition: the subscriptions that
--- pin it although it ended longer than max_lag ago are detached, loudly (a
+-- pin it although it ended longer than max_lag before "at" (the round's
+-- clock) are detached, loudly (a
 -- WARNING each, and the round reports them).  They pin nothing from then
 -- on; their relays' calls fail until they are unsubscribed.  Returns the
 -- names detached.
-CREATE OR REPLACE FUNCTION idempotency.outbox_detach_lagging(part regclass, max_lag interval)
+CREATE OR REPLACE FUNCTION idempotency.outbox_detach_lagging(part regclass, max_lag interval, at timestamptz)
     RETURNS SETOF text
     LANGUAGE plpgsql VOLATILE
     SET search_path = pg_catalog, pg_temp
@@ -168,12 +169,12 @@ DECLARE
     ended timestamptz;
 BEGIN
     SELECT p.upper INTO ended FROM idempotency.outbox_partitions p WHERE p.relid = part;
-    IF ended IS NULL OR max_lag <= interval '0' OR ended > now() - max_lag THEN
+    IF ended IS NULL OR max_lag <= interval '0' OR ended > at - max_lag THEN
         RETURN;
     END IF;
     FOR b IN
         UPDATE idempotency.outbox_subscriptions s
-        SET detached_at = now(),
+        SET detached_at = at,
             detach_reason = format('needed events of partition %s, which ended at %s, more than %s ago (idempotency.outbox_max_lag)',
                                    part, ended, max_lag)
         WHERE s.id IN (SELECT idempotency.outbox_partition_pinned_by(part)) AND s.detached_at IS NULL
@@ -186,9 +187,9 @@ BEGIN
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION idempotency.outbox_detach_lagging(regclass, interval) IS
-    'detach the subscriptions that pin an outbox partition which ended longer than max_lag ago';
-REVOKE ALL ON FUNCTION idempotency.outbox_detach_lagging(regclass, interval) FROM PUBLIC;
+COMMENT ON FUNCTION idempotency.outbox_detach_lagging(regclass, interval, timestamptz) IS
+    'detach the subscriptions that pin an outbox partition which ended longer than max_lag before at';
+REVOKE ALL ON FUNCTION idempotency.outbox_detach_lagging(regclass, interval, timestamptz) FROM PUBLIC;
 
 -- Which partitions hold pending work is the monitoring's business.
 REVOKE ALL ON FUNCTION idempotency.outbox_partition_pinned(regclass),

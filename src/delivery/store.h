@@ -51,9 +51,10 @@ typedef struct StoreDesc
 	const char *written_since;
 
 	/*
-	 * With pins: function(regclass, interval) -> setof text that detaches
-	 * whoever pins a partition longer than the interval setting
-	 * detach_after allows, and names them; NULL: pins hold for ever.
+	 * With pins: function(regclass, interval, timestamptz) -> setof text
+	 * that detaches whoever pins a partition longer than the interval
+	 * setting detach_after allows before the round's time, and names them;
+	 * NULL: pins hold for ever.
 	 */
 	const char *detach;
 	const char *detach_after;

@@ -44,6 +44,7 @@
 #include "claims/settings.h"
 #include "maintenance/actions.h"
 
+#include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "common/catalog.h"
@@ -371,17 +372,18 @@ static bool
 detach_lagging(DropCall *c)
 {
 	const StoreDesc *d = c->r->d;
-	Oid			types[2] = {REGCLASSOID, TEXTOID};
-	Datum		values[2];
+	Oid			types[3] = {REGCLASSOID, TEXTOID, TIMESTAMPTZOID};
+	Datum		values[3];
 	bool		any = false;
 
 	if (d->detach == NULL || !idem_round_caller_trusted())
 		return false;
 	values[0] = ObjectIdGetDatum(c->p->relid);
 	values[1] = CStringGetTextDatum(GetConfigOption(d->detach_after, false, false));
-	if (SPI_execute_with_args(psprintf("SELECT %s.%s($1, $2::pg_catalog.interval)",
+	values[2] = TimestampTzGetDatum(c->r->now);
+	if (SPI_execute_with_args(psprintf("SELECT %s.%s($1, $2::pg_catalog.interval, $3)",
 									   IDEM_SCHEMA, d->detach),
-							  2, types, values, NULL, false, 0) != SPI_OK_SELECT)
+							  3, types, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not detach what pins %s", c->name);
 	for (uint64 r = 0; r < SPI_processed; r++)
 	{
@@ -392,6 +394,12 @@ detach_lagging(DropCall *c)
 			continue;
 		idem_report_action(c->r->rep, "detach subscription", TextDatumGetCString(v));
 		any = true;
+	}
+	/* the pins are read again: under the active snapshot, which must see this */
+	if (any)
+	{
+		CommandCounterIncrement();
+		UpdateActiveSnapshotCommandId();
 	}
 	return any;
 }
