@@ -102,7 +102,6 @@ struct IdemCapGrants
 static MemoryContext caps_cxt = NULL;
 static bool rows_valid = false;
 static Oid	caps_relid = InvalidOid;
-static Oid	caps_owner = InvalidOid;
 static CapRow *caps_rows = NULL;
 static int	caps_nrows = 0;
 
@@ -137,6 +136,8 @@ caps_register(void)
 	CacheRegisterRelcacheCallback(caps_relcache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHOID, caps_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, caps_syscache_cb, (Datum) 0);
+	/* the extension's owner changed (see idem_extension_owner()) */
+	CacheRegisterSyscacheCallback(NAMESPACEOID, caps_syscache_cb, (Datum) 0);
 	caps_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency capabilities",
 									 ALLOCSET_SMALL_SIZES);
 	registered = true;
@@ -192,7 +193,6 @@ build_rows(void)
 	caps_nrows = 0;
 	caps_relid = idem_internal_relid("capabilities");
 	rel = table_open(caps_relid, AccessShareLock);
-	caps_owner = idem_extension_owner();
 	caps_rows = MemoryContextAlloc(caps_cxt, sizeof(CapRow) * cap);
 	snap = RegisterSnapshot(GetLatestSnapshot());
 	scan = table_beginscan(rel, snap, 0, NULL);
@@ -232,7 +232,7 @@ build_user(void)
 
 	if (!rows_valid)
 		build_rows();
-	all = superuser_arg(uid) || has_privs_of_role(uid, caps_owner);
+	all = superuser_arg(uid) || has_privs_of_role(uid, idem_extension_owner());
 	for (int c = 0; c < IDEM_NUM_CAPS; c++)
 	{
 		IdemCapGrants *g = &user_grants[c];
