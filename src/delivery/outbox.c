@@ -13,13 +13,20 @@
  *	  its newest stored and unstored one, for the backlog).  An emit
  *	  increments it (outbox_emit.c moves an existing counter on directly,
  *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
- *	  UPDATE for the aggregate's first event, which also makes its
- *	  deliveries row) and so holds its row lock to commit: emits to one
- *	  aggregate serialise, seq follows commit order, and a rollback takes
- *	  its number back (no gaps).
- *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
- *	  the lease, attempts of the head event, retry_at, the dead head and a
- *	  redrive waiting for the lease.
+ *	  UPDATE for the aggregate's first event) and so holds its row lock to
+ *	  commit: emits to one aggregate serialise, seq follows commit order,
+ *	  and a rollback takes its number back (no gaps).  An emit writes
+ *	  nothing else, however many subscriptions read the log.
+ *	- outbox_deliveries: per subscription and aggregate, acked_seq
+ *	  (delivered up to here), the lease, attempts of the head event,
+ *	  retry_at, the dead head and a redrive waiting for the lease.  The
+ *	  first relay of a subscription that meets an aggregate makes its row
+ *	  (outbox_ensure_deliveries()); no row means nothing delivered.
+ *
+ * Subscriptions (outbox_subscriptions.c): everything below holds per
+ * subscription -- its deliveries rows, its cursor, its dead letters and its
+ * dead policy; statements on those rows take the subscription's id as
+ * their last parameter (outbox_exec() appends it).
  *
  * An event id (a UUIDv7) carries created_at, the partition's bucket and the
  * emitting transaction, so acks find an event with one index probe.
@@ -67,8 +74,11 @@
  *	  batches never wait on each other in a cycle.
  *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
  *	  never waits for another relay; an aggregate locked by one is left to
- *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
- *	  order.  Relays never lock outbox_sequences except to unpark (FOR
+ *	  it.  A relay makes a missing row only under a conditional lock
+ *	  (IDEM_LOCKTAG_DELIVERY, held to commit), and leaves the aggregate to
+ *	  whoever holds it, so it never waits on another's insert either.  ack,
+ *	  nack, redrive and discard lock rows (waiting) in sorted order, and
+ *	  take that lock waiting when they must make a row.  Relays never lock outbox_sequences except to unpark (FOR
  *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
  *	  emitter), and emitters never lock outbox_deliveries, so emitters and
  *	  relays never deadlock.  An emitter may wait for the commit of a relay
