@@ -144,7 +144,12 @@ is($node->safe_psql('target', q{
 is($node->safe_psql('target', q{
 	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
 	  FROM idem_outbox_claim(100, '1 minute', NULL, 'audit')}),
-	'a4,b1,b2,c1', '... and so does a relay of the other subscription, what was pending for it');
+	'a4', '... and so does a relay of the other subscription; its leases on b and c came back live');
+is($node->safe_psql('target', q{
+	SET idempotency.debug_clock_offset = 120;
+	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
+	  FROM idem_outbox_claim(100, '1 minute', NULL, 'audit')}),
+	'a4,b1,b2,c1', '... and once they expire, all that was pending for it');
 is($node->safe_psql('target', q{
 	SELECT count(*) FROM idempotency.outbox_partitions o
 	 WHERE NOT EXISTS (SELECT FROM pg_class c WHERE c.oid = o.relid)}),
