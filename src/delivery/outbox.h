@@ -172,7 +172,10 @@ typedef struct OutboxSubscription
 	int			dead_policy;	/* its own, or -1: the setting's */
 } OutboxSubscription;
 
-extern const OutboxSubscription *outbox_subscription_open(FunctionCallInfo fcinfo, int argno);
+struct IdemCapGrants;
+extern const OutboxSubscription *outbox_subscription_open(FunctionCallInfo fcinfo, int argno,
+														   const char *fname, int cap,
+														   const struct IdemCapGrants *g);
 extern int32 outbox_subscription_id(void);
 extern int	outbox_subscription_dead_policy(void);
 extern bool outbox_subscription_covers(const OutboxSubscription *sub, const char *type);

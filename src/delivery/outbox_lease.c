@@ -742,7 +742,7 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	idem_lease_token(&c.token);
 
 	idem_spi_connect_as_owner(&as);
-	c.sub = outbox_subscription_open(fcinfo, 3);
+	c.sub = outbox_subscription_open(fcinfo, 3, "idem_outbox_claim", IDEM_CAP_RELAY, c.grants);
 	if (!c.has_types && c.sub->ntypes >= 0)
 	{
 		c.types = c.sub->types_array;

@@ -213,7 +213,7 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 	IdemAsOwner as;
 
 	idem_spi_connect_as_owner(&as);
-	(void) outbox_subscription_open(fcinfo, 2);
+	(void) outbox_subscription_open(fcinfo, 2, "idem_outbox_ack", IDEM_CAP_RELAY, g);
 	if (n == 0)
 	{
 		idem_spi_finish_as_owner(&as);
@@ -275,7 +275,7 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	g = idem_capability_require_any("idem_outbox_nack", IDEM_CAP_RELAY);
 
 	idem_spi_connect_as_owner(&as);
-	(void) outbox_subscription_open(fcinfo, 4);
+	(void) outbox_subscription_open(fcinfo, 4, "idem_outbox_nack", IDEM_CAP_RELAY, g);
 	idd = UUIDPGetDatum(id);
 	found = find_events(&idd, 1, &nfound, g);
 	if (nfound == 0)
@@ -330,7 +330,7 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 	idem_lease_extend_args(fcinfo, values);
 	g = idem_capability_require_any("idem_outbox_extend", IDEM_CAP_RELAY);
 	idem_spi_connect_as_owner(&as);
-	(void) outbox_subscription_open(fcinfo, 2);
+	(void) outbox_subscription_open(fcinfo, 2, "idem_outbox_extend", IDEM_CAP_RELAY, g);
 
 	/* a limited relay extends nothing if the lease holds another type */
 	if (idem_capability_limited(g, IDEM_AXIS_TYPE))
@@ -391,7 +391,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn, const char *fn
 	uint64		nmine = 0;
 
 	idem_spi_connect_as_owner(&as);
-	(void) outbox_subscription_open(fcinfo, 1);
+	(void) outbox_subscription_open(fcinfo, 1, fname, IDEM_CAP_OPERATOR, g);
 	if (n == 0)
 	{
 		idem_spi_finish_as_owner(&as);

@@ -228,17 +228,20 @@ find_subscription(const char *name, OutboxSubscription *sub, char **detach_reaso
 /*
  * The subscription a relay or operator call names in argument argno, made
  * the one that outbox_exec() works for.  Called connected to SPI, as the
- * extension's owner, after the caller's capability was checked.  None of
- * that name: 42704; detached: 55000.
+ * extension's owner, with the caller's grants g of capability cap (from
+ * idem_capability_require_any()): a grant limited to some subscriptions
+ * works for those only (42501).  None of that name: 42704; detached: 55000.
  */
 const OutboxSubscription *
-outbox_subscription_open(FunctionCallInfo fcinfo, int argno)
+outbox_subscription_open(FunctionCallInfo fcinfo, int argno, const char *fname, int cap,
+						 const IdemCapGrants *g)
 {
 	char	   *name = idem_name_arg(fcinfo, argno, "subscription", NAMEDATALEN - 1);
 	OutboxSubscription *sub = palloc0(sizeof(OutboxSubscription));
 	char	   *reason;
 	char	   *start;
 
+	idem_capability_check_value(fname, (IdemCapability) cap, g, IDEM_AXIS_SUBSCRIPTION, name);
 	lock_name(name, ShareLock);
 	if (!find_subscription(name, sub, &reason, &start))
 		ereport(ERROR,
@@ -326,6 +329,8 @@ idem_outbox_subscribe(PG_FUNCTION_ARGS)
 	}
 	g = idem_capability_require_any("idem_outbox_subscribe", IDEM_CAP_OPERATOR);
 	check_types_allowed("idem_outbox_subscribe", g, types, ntypes);
+	idem_capability_check_value("idem_outbox_subscribe", IDEM_CAP_OPERATOR, g,
+								IDEM_AXIS_SUBSCRIPTION, name);
 
 	idem_spi_connect_as_owner(&as);
 	(void) sub_exec(SS_LOCK, NULL, NULL, SPI_OK_UTILITY);
@@ -396,6 +401,8 @@ idem_outbox_unsubscribe(PG_FUNCTION_ARGS)
 	IdemAsOwner as;
 	Datum		id;
 
+	idem_capability_check_value("idem_outbox_unsubscribe", IDEM_CAP_OPERATOR, g,
+								IDEM_AXIS_SUBSCRIPTION, name);
 	idem_spi_connect_as_owner(&as);
 	(void) sub_exec(SS_LOCK, NULL, NULL, SPI_OK_UTILITY);
 	lock_name(name, ExclusiveLock);

@@ -7,7 +7,7 @@
 \ir include/begin.sql
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(86);
+SELECT plan(98);
 
 -- every event a claim handed out, tagged with the claim's name
 CREATE TEMP TABLE got (call text, id uuid, aggregate_type text, aggregate_id text, seq bigint,
@@ -219,6 +219,36 @@ SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_unsubscribe(''fa
 SELECT is(obs_as('obs_ops', 'SELECT idem_outbox_unsubscribe(''o1'')'), 'true', '... but its own');
 SELECT is(obs_as('obs_relay', 'SELECT count(*) FROM idem_outbox_claim(10, ''1 minute'', NULL, ''fan'')'), '0',
           'a relay claims on a named subscription');
+-- a relay limited to its own subscription cannot ack (silence) another's
+CREATE ROLE obs_billing;
+SELECT idem_grant('obs_billing', 'relay', subscriptions => ARRAY['billing*']);
+SELECT idem_outbox_subscribe('billing', ARRAY['fo']);
+SELECT pg_temp.emit('fo', 'z1', 1);
+SELECT is(obs_as('obs_billing', 'SELECT count(*) FROM idem_outbox_claim(10, ''1 minute'', NULL, ''billing'')'), '1',
+          'a relay limited to billing* claims on billing');
+SELECT throws_ok($$SELECT obs_as('obs_billing', 'SELECT count(*) FROM idem_outbox_claim(10, ''1 minute'', NULL, ''fan'')')$$,
+                 '42501', NULL, '... not on fan');
+SELECT throws_ok($$SELECT obs_as('obs_billing', 'SELECT count(*) FROM idem_outbox_claim(10)')$$,
+                 '42501', NULL, '... nor on the default subscription');
+SELECT throws_ok(format($$SELECT obs_as('obs_billing', format('SELECT idem_outbox_ack(%%L, NULL, ''fan'')', %L::uuid[]))$$,
+                        ARRAY[pg_temp.ev('fo', 'z1', 1)]),
+                 '42501', NULL, '... nor ack on fan');
+SELECT throws_ok($$SELECT obs_as('obs_billing', 'SELECT idem_outbox_extend(gen_random_uuid(), ''1 minute'', ''fan'')')$$,
+                 '42501', NULL, '... nor extend on fan');
+SELECT is((SELECT subscriptions FROM idempotency.capability_grants WHERE role = 'obs_billing'), ARRAY['billing*'],
+          'the limit is listed');
+SELECT throws_ok($$SELECT idem_grant('obs_billing', 'monitor', subscriptions => ARRAY['x'])$$, '22023', NULL,
+                 'the monitor capability cannot be limited by subscription');
+SELECT throws_ok($$SELECT idem_grant('obs_billing', 'relay', subscriptions => ARRAY['bill*ing'])$$, '22023', NULL,
+                 'a subscription pattern with * inside: 22023');
+SELECT idem_grant('obs_ops', 'operator', aggregate_types => ARRAY['fo', 'fs'], subscriptions => ARRAY['o*']);
+SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_subscribe(''p1'', ARRAY[''fo''])')$$, '42501', NULL,
+                 'an operator limited to subscriptions o* may not subscribe p1');
+SELECT is(obs_as('obs_ops', 'SELECT idem_outbox_subscribe(''o2'', ARRAY[''fo''])'), 'true', '... but o2');
+SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_unsubscribe(''billing'')')$$, '42501', NULL,
+                 '... and may not unsubscribe billing');
+SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_redrive(''{}'', ''billing'')')$$, '42501', NULL,
+                 '... nor redrive on it');
 
 SELECT * FROM finish();
 ROLLBACK;
