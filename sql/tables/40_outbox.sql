@@ -57,7 +57,8 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 -- The subscriptions: each reads every event of its aggregate types (NULL:
 -- all) with progress of its own.  'default' (id 0) is made here, so that
 -- calls that name no subscription work from the start; like any other it
--- can be unsubscribed.  Ids are never reused: rows a relay of a dropped
+-- can be unsubscribed (and subscribed again, as id 0; a restore makes it
+-- anew).  Other ids are never reused: rows a relay of a dropped
 -- subscription still writes belong to no one.  detached_at: maintenance
 -- detached it for being further behind than idempotency.outbox_max_lag
 -- (its relays' calls fail; it pins nothing) until it is unsubscribed.

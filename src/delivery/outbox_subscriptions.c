@@ -22,6 +22,10 @@
  * below that xmin is visible to the copy, hence covered, and every event
  * that commits later comes from a transaction at or above it.
  *
+ * Ids.  'default' is always id 0 (CREATE EXTENSION makes it, and a dump
+ * leaves it out, so a restore does not make it twice); every other
+ * subscription gets a new id that is never reused.
+ *
  * Detaching.  Maintenance detaches a subscription that keeps a partition
  * past idempotency.outbox_max_lag (idempotency.outbox_detach_lagging()):
  * it pins nothing from then on and its calls fail (55000) until it is
@@ -89,7 +93,9 @@ static const IdemStatement subscription_plans[NUM_SUB_STATEMENTS] = {
 	[SS_INSERT] = {
 		"INSERT INTO idempotency.outbox_subscriptions"
 		" (id, name, aggregate_types, dead_policy, start, created_at)"
-		" VALUES (pg_catalog.nextval('idempotency.outbox_subscription_ids'), $1, $2, $3, $4, $5)"
+		" VALUES (CASE WHEN $1 = 'default' THEN 0"
+		"              ELSE pg_catalog.nextval('idempotency.outbox_subscription_ids') END,"
+		"         $1, $2, $3, $4, $5)"
 		" RETURNING id",
 		5, {TEXTOID, TEXTARRAYOID, TEXTOID, TEXTOID, TIMESTAMPTZOID}
 	},
