@@ -16,13 +16,14 @@ CREATE OR REPLACE TRIGGER capabilities_changed
 ALTER TABLE idempotency.capabilities ENABLE ALWAYS TRIGGER capabilities_changed;
 
 CREATE OR REPLACE FUNCTION idem_grant(role regrole, capability text, scopes text[] DEFAULT NULL,
-                           aggregate_types text[] DEFAULT NULL, sources text[] DEFAULT NULL)
+                           aggregate_types text[] DEFAULT NULL, sources text[] DEFAULT NULL,
+                           subscriptions text[] DEFAULT NULL)
     RETURNS void
     AS 'MODULE_PATHNAME', 'idem_grant' LANGUAGE C VOLATILE PARALLEL UNSAFE;
 CREATE OR REPLACE FUNCTION idem_revoke(role regrole, capability text DEFAULT NULL)
     RETURNS integer
     AS 'MODULE_PATHNAME', 'idem_revoke' LANGUAGE C VOLATILE PARALLEL UNSAFE;
-REVOKE ALL ON FUNCTION idem_grant(regrole, text, text[], text[], text[]),
+REVOKE ALL ON FUNCTION idem_grant(regrole, text, text[], text[], text[], text[]),
                        idem_revoke(regrole, text) FROM PUBLIC;
 
 -- The monitor capability is view access: idem_grant(r, 'monitor') gives r
@@ -66,7 +67,8 @@ REVOKE ALL ON FUNCTION idempotency.monitor_privileges(regrole, boolean) FROM PUB
 
 -- Who holds what, for owners and pg_monitor; rows of dropped roles left out.
 CREATE OR REPLACE VIEW idempotency.capability_grants AS
-SELECT c.role::pg_catalog.text AS role, c.capability, c.scopes, c.aggregate_types, c.sources
+SELECT c.role::pg_catalog.text AS role, c.capability, c.scopes, c.aggregate_types, c.sources,
+       c.subscriptions
 FROM idempotency.capabilities c
 WHERE EXISTS (SELECT FROM pg_catalog.pg_roles r
               WHERE r.oid OPERATOR(pg_catalog.=) c.role::pg_catalog.oid);

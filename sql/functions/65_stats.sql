@@ -67,14 +67,17 @@ GROUP BY x.scope;
 COMMENT ON VIEW idempotency.consumers IS
     'every scope claimed in, with its first and last claim and how many claims it made (released ones not counted)';
 
--- Per aggregate type: the outbox's backlog, dead letters and the age of the
--- oldest event waiting (gauges, read from the tables).  An event behind a
--- dead-lettered head waits; the head itself counts as dead.  Only stored
--- events wait: what outbox_mode 'wal' emitted (no row) went out through
--- logical decoding, and a relay passes over its seqs.
+-- Per live subscription and aggregate type: the outbox's backlog, dead
+-- letters and the age of the oldest event waiting (gauges, read from the
+-- tables).  An event behind a dead-lettered head waits; the head itself
+-- counts as dead.  Only stored events wait: what outbox_mode 'wal' emitted
+-- (no row) went out through logical decoding, and a relay passes over its
+-- seqs.  An aggregate a subscription has no deliveries row for has had
+-- nothing delivered to it (under start 'earliest', until its relays first
+-- meet it, that counts events that retention has dropped).
 CREATE OR REPLACE VIEW idempotency.outbox_backlog AS
 WITH pending AS (
-    SELECT s.aggregate_type, s.aggregate_id, a.done,
+    SELECT b.name AS subscription, s.aggregate_type, s.aggregate_id, a.done,
            CASE WHEN s.stored_seq <= a.done THEN 0
                 -- every seq after done is stored
                 WHEN s.wal_seq <= a.done THEN s.stored_seq - a.done
@@ -83,12 +86,16 @@ WITH pending AS (
                       WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
                         AND o.seq > a.done)
            END AS waiting
-    FROM idempotency.outbox_sequences s
-    LEFT JOIN idempotency.outbox_deliveries d USING (aggregate_type, aggregate_id)
+    FROM idempotency.outbox_subscriptions b
+    JOIN idempotency.outbox_sequences s
+      ON b.aggregate_types IS NULL OR s.aggregate_type = ANY (b.aggregate_types)
+    LEFT JOIN idempotency.outbox_deliveries d
+      ON d.subscription = b.id AND d.aggregate_type = s.aggregate_type AND d.aggregate_id = s.aggregate_id
     CROSS JOIN LATERAL (
         SELECT coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END AS done) a
+    WHERE b.detached_at IS NULL
 ), by_type AS (
-    SELECT p.aggregate_type,
+    SELECT p.subscription, p.aggregate_type,
            sum(p.waiting) AS pending,
            min(e.created_at) AS oldest
     FROM pending p
@@ -99,20 +106,40 @@ WITH pending AS (
         ORDER BY o.seq
         LIMIT 1) e ON true
     WHERE p.waiting > 0
-    GROUP BY p.aggregate_type
+    GROUP BY p.subscription, p.aggregate_type
 ), dead AS (
-    SELECT l.aggregate_type, count(*) AS dead
+    SELECT b.name AS subscription, l.aggregate_type, count(*) AS dead
     FROM idempotency.outbox_dead_letters l
-    GROUP BY l.aggregate_type
+    JOIN idempotency.outbox_subscriptions b ON b.id = l.subscription AND b.detached_at IS NULL
+    GROUP BY b.name, l.aggregate_type
 )
 SELECT coalesce(b.aggregate_type, d.aggregate_type)::text AS aggregate_type,
        coalesce(b.pending, 0)::bigint AS pending,
        coalesce(d.dead, 0)::bigint AS dead,
-       now() - b.oldest AS oldest_pending_age
+       now() - b.oldest AS oldest_pending_age,
+       coalesce(b.subscription, d.subscription)::text AS subscription
 FROM by_type b
-FULL JOIN dead d ON d.aggregate_type = b.aggregate_type;
+FULL JOIN dead d ON d.aggregate_type = b.aggregate_type AND d.subscription = b.subscription;
 COMMENT ON VIEW idempotency.outbox_backlog IS
-    'per aggregate type: outbox events not delivered yet, dead letters, age of the oldest waiting event';
+    'per live subscription and aggregate type: outbox events not delivered yet, dead letters, age of the oldest waiting event';
+
+-- Per subscription: its definition, whether it was detached (and why),
+-- and its backlog over all its aggregate types.
+CREATE OR REPLACE VIEW idempotency.outbox_subscriptions_status AS
+SELECT b.name::text AS name, b.aggregate_types::text[] AS aggregate_types,
+       b.start, b.dead_policy, b.created_at,
+       CASE WHEN b.detached_at IS NULL THEN 'active' ELSE 'detached' END AS state,
+       b.detached_at, b.detach_reason,
+       coalesce(k.pending, 0)::bigint AS pending,
+       coalesce(k.dead, 0)::bigint AS dead,
+       k.oldest_pending_age
+FROM idempotency.outbox_subscriptions b
+LEFT JOIN (SELECT o.subscription, sum(o.pending) AS pending, sum(o.dead) AS dead,
+                  max(o.oldest_pending_age) AS oldest_pending_age
+           FROM idempotency.outbox_backlog o GROUP BY o.subscription) k
+  ON k.subscription = b.name;
+COMMENT ON VIEW idempotency.outbox_subscriptions_status IS
+    'outbox subscriptions: definition, active or detached, backlog, dead letters and lag';
 
 -- Per source: the inbox's messages not done yet, dead letters among them,
 -- and the age of the oldest waiting one (gauges, read from the tables).
@@ -191,7 +218,8 @@ COMMENT ON FUNCTION idempotency.stats_rows() IS
     'the counted rows of idempotency.stats (shared memory when preloaded, the tables otherwise)';
 
 -- One row per scope (relation NULL), per guarded table (scope NULL), per
--- outbox aggregate type (scope 'outbox:<type>', its backlog), and the
+-- outbox aggregate type (scope 'outbox:<type>', its backlog summed over the
+-- live subscriptions, the oldest age among them), and the
 -- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
 -- An inbox source's backlog joins its claims' row ('inbox:<source>').  The
 -- columns of SPEC section 6 come first, in its order; the inbox's follow.
@@ -210,8 +238,10 @@ SELECT coalesce(r.scope, o.scope, i.scope) AS scope,
        i.dead AS inbox_dead,
        i.oldest_pending_age AS inbox_oldest_pending_age
 FROM idempotency.stats_rows() r
-FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope, b.*
-           FROM idempotency.outbox_backlog b) o ON r.scope COLLATE "C" = o.scope
+FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope,
+                  sum(b.pending)::bigint AS pending, sum(b.dead)::bigint AS dead,
+                  max(b.oldest_pending_age) AS oldest_pending_age
+           FROM idempotency.outbox_backlog b GROUP BY b.aggregate_type) o ON r.scope COLLATE "C" = o.scope
 FULL JOIN (SELECT ('inbox:' || b.source) COLLATE "C" AS scope, b.*
            FROM idempotency.inbox_backlog b) i ON coalesce(r.scope, o.scope) COLLATE "C" = i.scope
 CROSS JOIN idempotency.stats_info() n;
@@ -227,4 +257,5 @@ REVOKE ALL ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),
 GRANT EXECUTE ON FUNCTION idempotency.stats_counters(), idempotency.stats_info(),
                           idempotency.stats_rows(), idempotency.live_scopes() TO pg_monitor;
 GRANT SELECT ON idempotency.stats, idempotency.consumers, idempotency.outbox_backlog,
+                idempotency.outbox_subscriptions_status,
                 idempotency.inbox_backlog, idempotency.partitions TO pg_monitor;

@@ -20,6 +20,7 @@ CREATE TABLE idempotency.capabilities (
     scopes          text[],
     aggregate_types text[],
     sources         text[],
+    subscriptions   text[],                     -- outbox subscriptions (relay, operator)
     PRIMARY KEY (role, capability)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.capabilities', '');

@@ -9,7 +9,9 @@
 -- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
 -- emit counter of an aggregate lives in outbox_sequences, its delivery state
 -- in outbox_deliveries, both narrow tables whose updates touch no indexed
--- column (HOT).  See src/delivery/outbox.c.
+-- column (HOT).  Any number of subscriptions read the one log, each with a
+-- deliveries row per aggregate, a cursor and dead letters of its own.  See
+-- src/delivery/outbox.c and src/delivery/outbox_subscriptions.c.
 
 CREATE TABLE idempotency.outbox_events (
     id             uuid NOT NULL,            -- UUIDv7: created_at, then the bucket
@@ -52,13 +54,42 @@ CREATE TABLE idempotency.outbox_sequences (
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');
 
--- Per aggregate: how far delivery got, and who holds it.  Relays update it;
+-- The subscriptions: each reads every event of its aggregate types (NULL:
+-- all) with progress of its own.  'default' (id 0) is made here, so that
+-- calls that name no subscription work from the start; like any other it
+-- can be unsubscribed (and subscribed again, as id 0; a restore makes it
+-- anew).  Other ids are never reused: rows a relay of a dropped
+-- subscription still writes belong to no one.  detached_at: maintenance
+-- detached it for being further behind than idempotency.outbox_max_lag
+-- (its relays' calls fail; it pins nothing) until it is unsubscribed.
+CREATE TABLE idempotency.outbox_subscriptions (
+    id              integer PRIMARY KEY,
+    name            text COLLATE "C" NOT NULL UNIQUE,
+    aggregate_types text[] COLLATE "C",         -- NULL: every type
+    dead_policy     text CHECK (dead_policy IN ('block', 'skip')),  -- NULL: the setting's
+    start           text NOT NULL CHECK (start IN ('now', 'earliest')),
+    created_at      timestamptz NOT NULL,
+    detached_at     timestamptz,
+    detach_reason   text,
+    CHECK ((detached_at IS NULL) = (detach_reason IS NULL))
+);
+CREATE SEQUENCE idempotency.outbox_subscription_ids AS integer MINVALUE 1;
+INSERT INTO idempotency.outbox_subscriptions (id, name, start, created_at)
+VALUES (0, 'default', 'earliest', pg_catalog.now());
+-- the default row comes with CREATE EXTENSION, so a restore must not copy it
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_subscriptions', 'WHERE id <> 0');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_subscription_ids', '');
+
+-- Per subscription and aggregate: how far delivery got, and who holds it.
+-- Relays make the row when they first meet the aggregate (subscribe 'now'
+-- makes those of the aggregates that exist) and update it;
 -- only a change of retry_at (parking after a failure, unparking) is not HOT.
 -- Every state has a way out, and the checks keep out those that would not
 -- (see "Delivery states" in src/delivery/outbox.c): an aggregate is parked for good
 -- only at a dead head (which skip, redrive and discard see), a dead head is
 -- parked and leased to nobody, and a redrive waits only for a lease.
 CREATE TABLE idempotency.outbox_deliveries (
+    subscription   integer NOT NULL,            -- outbox_subscriptions.id
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
     acked_seq      bigint NOT NULL DEFAULT 0,   -- delivered up to here
@@ -70,7 +101,7 @@ CREATE TABLE idempotency.outbox_deliveries (
     dead_seq       bigint,                      -- the head is dead-lettered
     last_error     text,
     redrive_seq    bigint,                      -- redriven behind the live lease: back here once it ends
-    PRIMARY KEY (aggregate_type, aggregate_id),
+    PRIMARY KEY (subscription, aggregate_type, aggregate_id),
     CONSTRAINT outbox_deliveries_lease
         CHECK ((leased_seq IS NULL) = (lease_token IS NULL) AND (lease_token IS NULL) = (lease_until IS NULL)),
     CONSTRAINT outbox_deliveries_dead_head
@@ -81,24 +112,27 @@ CREATE TABLE idempotency.outbox_deliveries (
         CHECK (redrive_seq IS NULL OR lease_token IS NOT NULL)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_deliveries', '');
-CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (retry_at)
+CREATE INDEX outbox_deliveries_parked ON idempotency.outbox_deliveries (subscription, retry_at)
     WHERE retry_at IS NOT NULL;
 
--- Every event before (position, event_id) is delivered, or
--- belongs to a parked aggregate: relays scan from here.  A lower bound only;
--- written at most about once a second per relay.  Not dumped: transaction
--- ids mean nothing in another cluster, so a restore starts from 0.
+-- Per subscription: every event before (position, event_id) is delivered,
+-- or belongs to a parked aggregate: its relays scan from here.  A lower
+-- bound only; written at most about once a second per relay.  Not dumped:
+-- transaction ids mean nothing in another cluster, so a restore starts
+-- from 0 (a subscription without a row does too).
 CREATE TABLE idempotency.outbox_cursor (
-    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    position  xid8 NOT NULL,                    -- an emitting transaction ...
-    event_id  uuid NOT NULL                     -- ... and an event id in it
+    subscription integer PRIMARY KEY,           -- outbox_subscriptions.id
+    position     xid8 NOT NULL,                 -- an emitting transaction ...
+    event_id     uuid NOT NULL                  -- ... and an event id in it
 );
-INSERT INTO idempotency.outbox_cursor (position, event_id)
-VALUES ('0', '00000000-0000-0000-0000-000000000000');
+INSERT INTO idempotency.outbox_cursor (subscription, position, event_id)
+VALUES (0, '0', '00000000-0000-0000-0000-000000000000');
 
--- Dead-lettered events (a copy of each), until redriven or discarded.
+-- Dead-lettered events (a copy of each, per subscription), until redriven
+-- or discarded.
 CREATE TABLE idempotency.outbox_dead_letters (
-    id             uuid PRIMARY KEY,
+    subscription   integer NOT NULL,            -- outbox_subscriptions.id
+    id             uuid NOT NULL,
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
     seq            bigint NOT NULL,
@@ -108,7 +142,8 @@ CREATE TABLE idempotency.outbox_dead_letters (
     created_at     timestamptz NOT NULL,
     attempts       integer NOT NULL,
     last_error     text,
-    dead_at        timestamptz NOT NULL
+    dead_at        timestamptz NOT NULL,
+    PRIMARY KEY (subscription, id)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_dead_letters', '');
 CREATE INDEX outbox_dead_letters_aggregate

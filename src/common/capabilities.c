@@ -68,8 +68,10 @@ PG_FUNCTION_INFO_V1(idem_grant);
 PG_FUNCTION_INFO_V1(idem_revoke);
 
 static const char *const cap_names[IDEM_NUM_CAPS] = {"handler", "relay", "operator", "monitor"};
-static const char *const axis_names[IDEM_NUM_AXES] = {"scope", "aggregate type", "source"};
-static const char *const axis_params[IDEM_NUM_AXES] = {"scopes", "aggregate_types", "sources"};
+static const char *const axis_names[IDEM_NUM_AXES] = {"scope", "aggregate type", "source",
+"outbox subscription"};
+static const char *const axis_params[IDEM_NUM_AXES] = {"scopes", "aggregate_types", "sources",
+"subscriptions"};
 
 /* columns of idempotency.capabilities */
 enum
@@ -78,7 +80,8 @@ enum
 	Anum_caps_capability,
 	Anum_caps_scopes,
 	Anum_caps_aggregate_types,
-	Anum_caps_sources
+	Anum_caps_sources,
+	Anum_caps_subscriptions
 };
 
 /* one row of the table */
@@ -102,7 +105,6 @@ struct IdemCapGrants
 static MemoryContext caps_cxt = NULL;
 static bool rows_valid = false;
 static Oid	caps_relid = InvalidOid;
-static Oid	caps_owner = InvalidOid;
 static CapRow *caps_rows = NULL;
 static int	caps_nrows = 0;
 
@@ -137,6 +139,8 @@ caps_register(void)
 	CacheRegisterRelcacheCallback(caps_relcache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHOID, caps_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, caps_syscache_cb, (Datum) 0);
+	/* the extension's owner changed (see idem_extension_owner()) */
+	CacheRegisterSyscacheCallback(NAMESPACEOID, caps_syscache_cb, (Datum) 0);
 	caps_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency capabilities",
 									 ALLOCSET_SMALL_SIZES);
 	registered = true;
@@ -192,7 +196,6 @@ build_rows(void)
 	caps_nrows = 0;
 	caps_relid = idem_internal_relid("capabilities");
 	rel = table_open(caps_relid, AccessShareLock);
-	caps_owner = idem_extension_owner();
 	caps_rows = MemoryContextAlloc(caps_cxt, sizeof(CapRow) * cap);
 	snap = RegisterSnapshot(GetLatestSnapshot());
 	scan = table_beginscan(rel, snap, 0, NULL);
@@ -232,7 +235,7 @@ build_user(void)
 
 	if (!rows_valid)
 		build_rows();
-	all = superuser_arg(uid) || has_privs_of_role(uid, caps_owner);
+	all = superuser_arg(uid) || has_privs_of_role(uid, idem_extension_owner());
 	for (int c = 0; c < IDEM_NUM_CAPS; c++)
 	{
 		IdemCapGrants *g = &user_grants[c];
@@ -249,8 +252,9 @@ build_user(void)
 
 			if (r->cap != c || !has_privs_of_role(uid, r->role))
 				continue;
-			if (!r->limited[0] && !r->limited[1] && !r->limited[2])
-				g->all = true;
+			g->all = true;		/* an unlimited row: limited on no axis */
+			for (int a = 0; a < IDEM_NUM_AXES; a++)
+				g->all = g->all && !r->limited[a];
 			if (g->nrows > 0 && (g->nrows & 7) == 0)
 				g->rows = repalloc(g->rows, sizeof(CapRow *) * (g->nrows + 8));
 			g->rows[g->nrows++] = r;
@@ -490,6 +494,18 @@ idem_capability_require_any(const char *fname, IdemCapability cap)
 	return g;
 }
 
+/*
+ * Error unless g (from idem_capability_require_any, checked for the same
+ * cap) is unlimited: for a decision taken later, when the caller may be
+ * acting as the extension's owner.
+ */
+void
+idem_capability_check_unlimited(const char *fname, IdemCapability cap, const IdemCapGrants *g)
+{
+	if (g != NULL && !g->all)
+		refuse(fname, cap, -1, NULL);
+}
+
 /* Error unless g (from idem_capability_require_any) allows value on axis. */
 void
 idem_capability_check_value(const char *fname, IdemCapability cap, const IdemCapGrants *g,
@@ -610,17 +626,21 @@ monitor_privileges(Oid role, bool give)
 
 /*
  * idem_grant(role regrole, capability text, scopes text[] = NULL,
- *            aggregate_types text[] = NULL, sources text[] = NULL)
+ *            aggregate_types text[] = NULL, sources text[] = NULL,
+ *            subscriptions text[] = NULL)
  */
 Datum
 idem_grant(PG_FUNCTION_ARGS)
 {
 	Oid			role = role_arg(fcinfo);
 	const char *cap = cap_arg(fcinfo, 1);
-	Oid			types[5] = {OIDOID, TEXTOID, TEXTARRAYOID, TEXTARRAYOID, TEXTARRAYOID};
-	Datum		values[5];
-	char		nulls[5] = {' ', ' ', ' ', ' ', ' '};
+	Oid			types[2 + IDEM_NUM_AXES] = {OIDOID, TEXTOID, TEXTARRAYOID, TEXTARRAYOID,
+	TEXTARRAYOID, TEXTARRAYOID};
+	Datum		values[2 + IDEM_NUM_AXES];
+	char		nulls[2 + IDEM_NUM_AXES] = {' ', ' ', ' ', ' ', ' ', ' '};
 	IdemAsOwner as;
+
+	bool		limited = false;
 
 	for (int a = 0; a < IDEM_NUM_AXES; a++)
 	{
@@ -629,8 +649,9 @@ idem_grant(PG_FUNCTION_ARGS)
 			nulls[2 + a] = 'n';
 		else
 			values[2 + a] = PG_GETARG_DATUM(2 + a);
+		limited = limited || !PG_ARGISNULL(2 + a);
 	}
-	if (strcmp(cap, "monitor") == 0 && (!PG_ARGISNULL(2) || !PG_ARGISNULL(3) || !PG_ARGISNULL(4)))
+	if (strcmp(cap, "monitor") == 0 && limited)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("capability \"monitor\" cannot be limited"),
@@ -644,12 +665,12 @@ idem_grant(PG_FUNCTION_ARGS)
 	SPI_connect();
 	idem_spi_exec(forget_dropped_sql, 0, NULL, NULL, SPI_OK_DELETE);
 	if (SPI_execute_with_args("INSERT INTO idempotency.capabilities AS c"
-							  " (role, capability, scopes, aggregate_types, sources)"
-							  " VALUES ($1::pg_catalog.regrole, $2, $3, $4, $5)"
+							  " (role, capability, scopes, aggregate_types, sources, subscriptions)"
+							  " VALUES ($1::pg_catalog.regrole, $2, $3, $4, $5, $6)"
 							  " ON CONFLICT (role, capability) DO UPDATE"
 							  " SET scopes = excluded.scopes, aggregate_types = excluded.aggregate_types,"
-							  " sources = excluded.sources",
-							  5, types, values, nulls, false, 0) != SPI_OK_INSERT)
+							  " sources = excluded.sources, subscriptions = excluded.subscriptions",
+							  2 + IDEM_NUM_AXES, types, values, nulls, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not store the capability");
 	if (strcmp(cap, "monitor") == 0)
 		monitor_privileges(role, true);

@@ -24,6 +24,7 @@ typedef enum IdemCapAxis
 	IDEM_AXIS_SCOPE = 0,
 	IDEM_AXIS_TYPE,
 	IDEM_AXIS_SOURCE,
+	IDEM_AXIS_SUBSCRIPTION,
 	IDEM_NUM_AXES
 } IdemCapAxis;
 
@@ -40,6 +41,8 @@ extern void idem_capability_require_unlimited(const char *fname, IdemCapability 
 extern const IdemCapGrants *idem_capability_require_any(const char *fname, IdemCapability cap);
 extern bool idem_capability_allows(const IdemCapGrants *g, IdemCapAxis axis, const char *value);
 extern bool idem_capability_limited(const IdemCapGrants *g, IdemCapAxis axis);
+extern void idem_capability_check_unlimited(const char *fname, IdemCapability cap,
+											const IdemCapGrants *g);
 extern void idem_capability_check_value(const char *fname, IdemCapability cap,
 										const IdemCapGrants *g, IdemCapAxis axis,
 										const char *value);

@@ -49,6 +49,7 @@
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/guc.h"
+#include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
@@ -80,14 +81,40 @@ catalog_scan_end(CatalogScan *cs)
 	table_close(cs->rel, AccessShareLock);
 }
 
+/*
+ * The extension's owner, kept for the backend: every API call acts as it,
+ * and reading it is two catalog index scans (pg_extension has no syscache).
+ * Its schema's pg_namespace row stands in for it: whatever changes the
+ * extension's owner (REASSIGN OWNED, DROP and CREATE EXTENSION) changes or
+ * replaces the schema too, and that syscache has invalidations.
+ */
+static Oid	owner_cached = InvalidOid;
+static uint64 owner_generation = 0;
+
+static void
+owner_invalidate(Datum arg, int cacheid, uint32 hashvalue)
+{
+	owner_cached = InvalidOid;
+	owner_generation++;
+}
+
 /* The role that owns extension "idempotency" (pg_extension.extowner). */
 Oid
 idem_extension_owner(void)
 {
+	static bool registered = false;
 	CatalogScan cs;
 	HeapTuple	tup;
 	Oid			owner = InvalidOid;
+	uint64		generation = owner_generation;
 
+	if (OidIsValid(owner_cached))
+		return owner_cached;
+	if (!registered)
+	{
+		CacheRegisterSyscacheCallback(NAMESPACEOID, owner_invalidate, (Datum) 0);
+		registered = true;
+	}
 	catalog_scan_begin(&cs, ExtensionRelationId, ExtensionOidIndexId, Anum_pg_extension_oid,
 					   get_extension_oid("idempotency", false));
 	tup = systable_getnext(cs.scan);
@@ -96,6 +123,9 @@ idem_extension_owner(void)
 	catalog_scan_end(&cs);
 	if (!OidIsValid(owner))
 		elog(ERROR, "extension \"idempotency\" has no owner");
+	/* an invalidation that came while reading: do not keep what was read */
+	if (generation == owner_generation)
+		owner_cached = owner;
 	return owner;
 }
 

@@ -4,7 +4,7 @@
  *	  The dead letters an operator may see: idem_outbox_dead() and
  *	  idem_inbox_dead(), the rows of the views idempotency.outbox_dead and
  *	  idempotency.inbox_dead that the caller's operator capability covers
- *	  (its aggregate types, or its sources).
+ *	  (its aggregate types and subscriptions, or its sources).
  *
  * The views are for the extension's owner and pg_monitor; an operator
  * needs the ids of dead letters to redrive, discard or replay them, and
@@ -30,14 +30,24 @@
 PG_FUNCTION_INFO_V1(idem_outbox_dead);
 PG_FUNCTION_INFO_V1(idem_inbox_dead);
 
+/* Does g allow the text column attno of tup (a row of SPI_tuptable) on axis? */
+static bool
+allowed(const IdemCapGrants *g, HeapTuple tup, IdemCapAxis axis, int attno)
+{
+	bool		isnull;
+	Datum		name = SPI_getbinval(tup, SPI_tuptable->tupdesc, attno, &isnull);
+
+	return !isnull && idem_capability_allows(g, axis, TextDatumGetCString(name));
+}
+
 /*
  * Put into the result the rows of "sql" (a fixed query of one of our
  * views) whose text column "attno" the caller's operator capability allows
- * on "axis".
+ * on "axis", and column "attno2" on "axis2" (attno2 0: no second axis).
  */
 static void
 dead_letters(FunctionCallInfo fcinfo, const char *fname, const char *sql,
-			 IdemCapAxis axis, int attno)
+			 IdemCapAxis axis, int attno, IdemCapAxis axis2, int attno2)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	const IdemCapGrants *g = idem_capability_require_any(fname, IDEM_CAP_OPERATOR);
@@ -50,10 +60,8 @@ dead_letters(FunctionCallInfo fcinfo, const char *fname, const char *sql,
 	for (uint64 r = 0; r < SPI_processed; r++)
 	{
 		HeapTuple	tup = SPI_tuptable->vals[r];
-		bool		isnull;
-		Datum		name = SPI_getbinval(tup, SPI_tuptable->tupdesc, attno, &isnull);
 
-		if (isnull || !idem_capability_allows(g, axis, TextDatumGetCString(name)))
+		if (!allowed(g, tup, axis, attno) || (attno2 > 0 && !allowed(g, tup, axis2, attno2)))
 			continue;
 		tuplestore_puttuple(rsinfo->setResult, tup);
 	}
@@ -64,10 +72,10 @@ dead_letters(FunctionCallInfo fcinfo, const char *fname, const char *sql,
 Datum
 idem_outbox_dead(PG_FUNCTION_ARGS)
 {
-	/* the view's second column is aggregate_type */
+	/* the view's second column is aggregate_type, its twelfth subscription */
 	dead_letters(fcinfo, "idem_outbox_dead",
 				 "SELECT * FROM idempotency.outbox_dead ORDER BY dead_at, id",
-				 IDEM_AXIS_TYPE, 2);
+				 IDEM_AXIS_TYPE, 2, IDEM_AXIS_SUBSCRIPTION, 12);
 	return (Datum) 0;
 }
 
@@ -78,6 +86,6 @@ idem_inbox_dead(PG_FUNCTION_ARGS)
 	/* the view's second column is source */
 	dead_letters(fcinfo, "idem_inbox_dead",
 				 "SELECT * FROM idempotency.inbox_dead ORDER BY dead_at, id",
-				 IDEM_AXIS_SOURCE, 2);
+				 IDEM_AXIS_SOURCE, 2, IDEM_AXIS_SOURCE, 0);
 	return (Datum) 0;
 }

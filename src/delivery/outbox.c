@@ -13,13 +13,20 @@
  *	  its newest stored and unstored one, for the backlog).  An emit
  *	  increments it (outbox_emit.c moves an existing counter on directly,
  *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
- *	  UPDATE for the aggregate's first event, which also makes its
- *	  deliveries row) and so holds its row lock to commit: emits to one
- *	  aggregate serialise, seq follows commit order, and a rollback takes
- *	  its number back (no gaps).
- *	- outbox_deliveries: per aggregate, acked_seq (delivered up to here),
- *	  the lease, attempts of the head event, retry_at, the dead head and a
- *	  redrive waiting for the lease.
+ *	  UPDATE for the aggregate's first event) and so holds its row lock to
+ *	  commit: emits to one aggregate serialise, seq follows commit order,
+ *	  and a rollback takes its number back (no gaps).  An emit writes
+ *	  nothing else, however many subscriptions read the log.
+ *	- outbox_deliveries: per subscription and aggregate, acked_seq
+ *	  (delivered up to here), the lease, attempts of the head event,
+ *	  retry_at, the dead head and a redrive waiting for the lease.  The
+ *	  first relay of a subscription that meets an aggregate makes its row
+ *	  (outbox_ensure_deliveries()); no row means nothing delivered.
+ *
+ * Subscriptions (outbox_subscriptions.c): everything below holds per
+ * subscription -- its deliveries rows, its cursor, its dead letters and its
+ * dead policy; statements on those rows take the subscription's id as
+ * their last parameter (outbox_exec() appends it).
  *
  * An event id (a UUIDv7) carries created_at, the partition's bucket and the
  * emitting transaction, so acks find an event with one index probe.
@@ -67,8 +74,11 @@
  *	  batches never wait on each other in a cycle.
  *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
  *	  never waits for another relay; an aggregate locked by one is left to
- *	  it.  ack, nack, redrive and discard lock them (waiting) in sorted
- *	  order.  Relays never lock outbox_sequences except to unpark (FOR
+ *	  it.  A relay makes a missing row only under a conditional lock
+ *	  (IDEM_LOCKTAG_DELIVERY, held to commit), and leaves the aggregate to
+ *	  whoever holds it, so it never waits on another's insert either.  ack,
+ *	  nack, redrive and discard lock rows (waiting) in sorted order, and
+ *	  take that lock waiting when they must make a row.  Relays never lock outbox_sequences except to unpark (FOR
  *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
  *	  emitter), and emitters never lock outbox_deliveries, so emitters and
  *	  relays never deadlock.  An emitter may wait for the commit of a relay
@@ -118,6 +128,7 @@
 #include "miscadmin.h"
 #include "replication/message.h"
 #include "storage/itemptr.h"
+#include "storage/lock.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
@@ -160,6 +171,7 @@ static bool outbox_keep_undelivered = OUTBOX_KEEP_UNDELIVERED_DEFAULT;
 int			outbox_dead_policy = OUTBOX_DEAD_POLICY_DEFAULT;
 int			outbox_notify = OUTBOX_NOTIFY_DEFAULT;
 int			outbox_mode = OUTBOX_MODE_DEFAULT;
+static int	outbox_max_lag = OUTBOX_MAX_LAG_DEFAULT;
 
 void
 idem_outbox_init(void)
@@ -181,6 +193,13 @@ idem_outbox_init(void)
 							 OUTBOX_KEEP_UNDELIVERED_DEFAULT,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.outbox_max_lag",
+							"How far behind a subscription may fall before maintenance detaches it.",
+							"A subscription that still needs a partition which ended longer ago than this is detached at the next maintenance round; 0 keeps it for ever.",
+							&outbox_max_lag,
+							OUTBOX_MAX_LAG_DEFAULT, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_dead_policy",
 							 "What a dead-lettered event does to the rest of its aggregate: block or skip.",
 							 NULL,
@@ -207,6 +226,9 @@ idem_outbox_init(void)
 /*---- statements ----*/
 
 /*
+ * Statements on a subscription's rows take its id as their last parameter
+ * ($N below, "sub" in the macros); outbox_exec() appends it (SUB_ARG).
+ *
  * Locked deliveries rows, as outbox_read_deliveries() expects them: FROM one of
  * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
  * (an index probe per key, in key order, whatever the statistics say), and
@@ -223,71 +245,65 @@ idem_outbox_init(void)
 	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id" \
 	"   LIMIT 1) s ON true"
 /* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
-#define DELIVERIES_BY_KEYS(cond, lock) \
+#define DELIVERIES_BY_KEYS(sub, cond, lock) \
 	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
 	"       ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\") k" \
 	" CROSS JOIN LATERAL (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
-	"   WHERE d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
+	"   WHERE d.subscription = " sub \
+	"     AND d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
 	"   " lock ") d" DELIVERY_JOIN_SEQUENCES
 /* the rows that meet cond, in retry_at order, at most $2, skipping locked ones */
 #define DELIVERIES_PARKED(cond) \
 	" FROM (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
-	"   WHERE " cond \
+	"   WHERE d.subscription = $4 AND " cond \
 	"     AND (d.lease_until IS NULL OR d.lease_until <= $1)" \
 	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
 	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
-/*
- * An aggregate's deliveries row is made by the emit that starts it (seq 1),
- * in the emitter's transaction: relays never insert rows that another relay
- * could be inserting too (they would wait on each other's transactions).
- */
-#define NEW_DELIVERY_ROW(select) \
-	"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)" select \
-	" ON CONFLICT DO NOTHING"
+
+/* the counter moves; what is stored and what went to the WAL only ($3: stored) */
+#define COUNTER_COLUMNS(n) \
+	"last_seq = q.last_seq + " n "," \
+	"  stored_seq = CASE WHEN $3 THEN q.last_seq + " n " ELSE q.stored_seq END," \
+	"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + " n " END"
 
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/* an aggregate without a counter (outbox_emit.c moves existing ones): make it, or take it over from a racer */
 	[ST_EMIT_SEQ] = {
-		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q"
+		"INSERT INTO idempotency.outbox_sequences AS q"
 		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
 		" VALUES ($1, $2, 1, CASE WHEN $3 THEN 1 ELSE 0 END, CASE WHEN $3 THEN 0 ELSE 1 END)"
-		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + 1,"
-		"  stored_seq = CASE WHEN $3 THEN q.last_seq + 1 ELSE q.stored_seq END,"
-		"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + 1 END"
-		" RETURNING q.last_seq), "
-		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, $2 FROM s WHERE s.last_seq = 1") ")"
-		" SELECT last_seq FROM s",
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET " COUNTER_COLUMNS("1")
+		" RETURNING q.last_seq",
 		3, {TEXTOID, TEXTOID, BOOLOID}
 	},
-	/* counts per aggregate, in the (sorted) order given: that is lock order */
+	/* counts per aggregate ($2 ids, $4 counts), in the (sorted) order given: that is lock order */
 	[ST_RESERVE] = {
-		"WITH s AS ("
-		" INSERT INTO idempotency.outbox_sequences AS q"
+		"INSERT INTO idempotency.outbox_sequences AS q"
 		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
-		" SELECT $1, u.id, u.n, CASE WHEN $4 THEN u.n ELSE 0 END, CASE WHEN $4 THEN 0 ELSE u.n END"
-		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, n, ord)"
+		" SELECT $1, u.id, u.n, CASE WHEN $3 THEN u.n ELSE 0 END, CASE WHEN $3 THEN 0 ELSE u.n END"
+		" FROM unnest($2::text[], $4::int8[]) WITH ORDINALITY AS u(id, n, ord)"
 		" ORDER BY u.ord"
 		" ON CONFLICT (aggregate_type, aggregate_id)"
-		" DO UPDATE SET last_seq = q.last_seq + excluded.last_seq,"
-		"  stored_seq = CASE WHEN $4 THEN q.last_seq + excluded.last_seq ELSE q.stored_seq END,"
-		"  wal_seq = CASE WHEN $4 THEN q.wal_seq ELSE q.last_seq + excluded.last_seq END"
-		" RETURNING q.aggregate_id, q.last_seq), "
-		" n AS (SELECT u.id, u.n FROM unnest($2::text[], $3::int8[]) AS u(id, n)), "
-		" d AS (" NEW_DELIVERY_ROW(" SELECT $1, s.aggregate_id FROM s JOIN n"
-								   " ON n.id = s.aggregate_id COLLATE \"C\" WHERE s.last_seq = n.n"
-								   " ORDER BY 2") ")"
-		" SELECT aggregate_id, last_seq FROM s",
-		4, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID, BOOLOID}
+		" DO UPDATE SET " COUNTER_COLUMNS("excluded.last_seq")
+		" RETURNING q.aggregate_id, q.last_seq",
+		4, {TEXTOID, TEXTARRAYOID, BOOLOID, INT8ARRAYOID}
 	},
 	[ST_CURSOR_READ] = {
-		"SELECT position, event_id FROM idempotency.outbox_cursor", 0, {0}
+		"SELECT position, event_id FROM idempotency.outbox_cursor WHERE subscription = $1",
+		1, {INT4OID}
+	},
+	/* a subscription without a cursor (after a restore) starts from the beginning */
+	[ST_CURSOR_MAKE] = {
+		"INSERT INTO idempotency.outbox_cursor (subscription, position, event_id)"
+		" VALUES ($1, '0', '00000000-0000-0000-0000-000000000000') ON CONFLICT DO NOTHING",
+		1, {INT4OID}
 	},
 	[ST_CURSOR_WRITE] = {
 		"UPDATE idempotency.outbox_cursor SET position = $1, event_id = $2"
 		" WHERE ctid IN (SELECT ctid FROM idempotency.outbox_cursor"
-		"                WHERE (position, event_id) < ($1, $2) FOR UPDATE SKIP LOCKED)",
-		2, {XID8OID, UUIDOID}
+		"                WHERE subscription = $3 AND (position, event_id) < ($1, $2)"
+		"                FOR UPDATE SKIP LOCKED)",
+		3, {XID8OID, UUIDOID, INT4OID}
 	},
 	/*
 	 * A page of events from ($1, $2) on, in scan order.  The constant
@@ -302,31 +318,32 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"       ORDER BY e.txid, e.id LIMIT " CppAsString2(OUTBOX_SCAN_CHUNK) ") e"
 		" LEFT JOIN LATERAL (SELECT d.acked_seq, d.lease_until, d.retry_at"
 		"   FROM idempotency.outbox_deliveries d"
-		"   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
+		"   WHERE d.subscription = $3"
+		"     AND d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id"
 		"   LIMIT 1) d ON true"
 		" ORDER BY e.txid, e.id",
-		2, {XID8OID, UUIDOID}
+		3, {XID8OID, UUIDOID, INT4OID}
 	},
 	[ST_ENSURE_DELIVERIES] = {
-		"INSERT INTO idempotency.outbox_deliveries (aggregate_type, aggregate_id)"
-		" SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)"
+		"INSERT INTO idempotency.outbox_deliveries (subscription, aggregate_type, aggregate_id)"
+		" SELECT $3, k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)"
 		" ORDER BY k.t COLLATE \"C\", k.i COLLATE \"C\""
 		" ON CONFLICT DO NOTHING",
-		2, {TEXTARRAYOID, TEXTARRAYOID}
+		3, {TEXTARRAYOID, TEXTARRAYOID, INT4OID}
 	},
 	[ST_LOCK_CANDIDATES] = {
 		DELIVERY_COLUMNS
-		DELIVERIES_BY_KEYS(" AND d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)",
+		DELIVERIES_BY_KEYS("$4", " AND d.retry_at IS NULL AND (d.lease_until IS NULL OR d.lease_until <= $3)",
 						   "FOR UPDATE SKIP LOCKED"),
-		3, {TEXTARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID}
+		4, {TEXTARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID}
 	},
 	[ST_PARKED_DUE] = {
 		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at <= $1"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+		4, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID, INT4OID}
 	},
 	[ST_PARKED_DEAD] = {
 		DELIVERY_COLUMNS DELIVERIES_PARKED("d.retry_at = 'infinity' AND d.dead_seq IS NOT NULL"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+		4, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID, INT4OID}
 	},
 	[ST_RUN] = {
 		"SELECT id, event_type, payload, headers, created_at, seq FROM idempotency.outbox_events"
@@ -363,22 +380,23 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		"     OR NOT EXISTS (SELECT FROM idempotency.outbox_sequences s"
 		"                    WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id)"
 		"   THEN NULL ELSE greatest(d.retry_at, $3) END"
-		" WHERE d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
+		" WHERE d.subscription = $4"
+		"   AND d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
 		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL",
-		3, {TEXTOID, TEXTOID, TIMESTAMPTZOID}
+		4, {TEXTOID, TEXTOID, TIMESTAMPTZOID, INT4OID}
 	},
 	[ST_DEAD_LETTER] = {
 		"INSERT INTO idempotency.outbox_dead_letters"
-		" (id, aggregate_type, aggregate_id, seq, event_type, payload, headers, created_at,"
-		"  attempts, last_error, dead_at)"
-		" SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, e.payload,"
+		" (subscription, id, aggregate_type, aggregate_id, seq, event_type, payload, headers,"
+		"  created_at, attempts, last_error, dead_at)"
+		" SELECT $7, e.id, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, e.payload,"
 		"        e.headers, e.created_at, $4, $5, $6"
 		" FROM idempotency.outbox_events e"
 		" WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\" AND e.seq = $3"
 		/* dead again after a rewind: the listing says so */
-		" ON CONFLICT (id) DO UPDATE SET attempts = excluded.attempts,"
+		" ON CONFLICT (subscription, id) DO UPDATE SET attempts = excluded.attempts,"
 		"  last_error = excluded.last_error, dead_at = excluded.dead_at",
-		6, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID}
+		7, {TEXTOID, TEXTOID, INT8OID, INT4OID, TEXTOID, TIMESTAMPTZOID, INT4OID}
 	},
 	/* the ids say their partition and transaction: one (txid, id) probe each */
 	[ST_FIND_EVENTS] = {
@@ -390,40 +408,65 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		3, {XID8ARRAYOID, UUIDARRAYOID, INT4OID}
 	},
 	[ST_LOCK_DELIVERIES] = {
-		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("", "FOR UPDATE"),
-		2, {TEXTARRAYOID, TEXTARRAYOID}
+		DELIVERY_COLUMNS DELIVERIES_BY_KEYS("$3", "", "FOR UPDATE"),
+		3, {TEXTARRAYOID, TEXTARRAYOID, INT4OID}
 	},
 	/* no index on lease_token (it would make every claim a non-HOT update) */
 	[ST_EXTEND] = {
 		"UPDATE idempotency.outbox_deliveries SET lease_until = $2"
-		" WHERE lease_token = $1 AND lease_until > $3"
+		" WHERE subscription = $4 AND lease_token = $1 AND lease_until > $3"
 		" RETURNING leased_seq - acked_seq",
-		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+		4, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID, INT4OID}
 	},
 	[ST_LEASE_TYPES] = {
 		"SELECT aggregate_type FROM idempotency.outbox_deliveries"
-		" WHERE lease_token = $1 AND lease_until > $3",
-		3, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+		" WHERE subscription = $4 AND lease_token = $1 AND lease_until > $3",
+		4, {UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID, INT4OID}
 	},
 	[ST_FIND_DEAD] = {
 		"SELECT x.id, x.aggregate_type, x.aggregate_id, x.seq"
-		" FROM idempotency.outbox_dead_letters x WHERE x.id = ANY ($1)"
+		" FROM idempotency.outbox_dead_letters x WHERE x.subscription = $2 AND x.id = ANY ($1)"
 		" ORDER BY 2, 3, 4 FOR UPDATE",
-		1, {UUIDARRAYOID}
+		2, {UUIDARRAYOID, INT4OID}
 	},
 	[ST_DELETE_DEAD] = {
-		"DELETE FROM idempotency.outbox_dead_letters WHERE id = ANY ($1)",
-		1, {UUIDARRAYOID}
+		"DELETE FROM idempotency.outbox_dead_letters WHERE subscription = $2 AND id = ANY ($1)",
+		2, {UUIDARRAYOID, INT4OID}
 	},
+};
+
+/* the statements whose last parameter is the subscription's id */
+static const bool with_subscription[NUM_STATEMENTS] = {
+	[ST_CURSOR_READ] = true, [ST_CURSOR_MAKE] = true, [ST_CURSOR_WRITE] = true,
+	[ST_SCAN] = true, [ST_ENSURE_DELIVERIES] = true, [ST_LOCK_CANDIDATES] = true,
+	[ST_PARKED_DUE] = true, [ST_PARKED_DEAD] = true, [ST_UNPARK] = true,
+	[ST_DEAD_LETTER] = true, [ST_LOCK_DELIVERIES] = true, [ST_EXTEND] = true,
+	[ST_LEASE_TYPES] = true, [ST_FIND_DEAD] = true, [ST_DELETE_DEAD] = true,
 };
 
 static SPIPlanPtr prepared[NUM_STATEMENTS];
 
-/* Run a statement (see idem_statement_exec). */
+/*
+ * Run a statement (see idem_statement_exec); one on a subscription's rows
+ * gets the id of the subscription the call works for appended to values.
+ */
 uint64
 outbox_exec(OutboxStatement st, Datum *values, const char *nulls, int expected)
 {
-	return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
+	Datum		v[lengthof(outbox_plans[0].argtypes)];
+	char		n[lengthof(outbox_plans[0].argtypes)];
+	int			last = outbox_plans[st].nargs - 1;
+
+	if (!with_subscription[st])
+		return idem_statement_exec(&outbox_plans[st], &prepared[st], values, nulls, expected);
+	for (int i = 0; i < last; i++)
+	{
+		v[i] = values[i];
+		n[i] = nulls != NULL ? nulls[i] : ' ';
+	}
+	v[last] = Int32GetDatum(outbox_subscription_id());
+	n[last] = ' ';
+	return idem_statement_exec(&outbox_plans[st], &prepared[st], v, n, expected);
 }
 
 /*---- delivery state ----*/
@@ -620,17 +663,49 @@ outbox_key_arrays(char **types, char **ids, int n, Datum *values)
 }
 
 /*
- * Make sure these aggregates have deliveries rows.  Emits make them; this
- * covers rows deleted by hand, and administrative acks and nacks.
+ * The lock that whoever makes a deliveries row (or, with empty names, a
+ * cursor row) of the subscription holds to its commit: a
+ * relay that cannot have it at once leaves the aggregate to the one that
+ * has it, so that no relay ever waits on another's insert (which could
+ * deadlock, the two making rows in different orders).  Administrative
+ * callers wait for it, in key order.  A hash collision only defers.
+ */
+bool
+outbox_lock_new_row(const char *type, const char *id, bool wait)
+{
+	LOCKTAG		tag;
+	uint64		h = hash_bytes_extended((const unsigned char *) type, strlen(type),
+										(uint64) outbox_subscription_id());
+
+	h = hash_bytes_extended((const unsigned char *) id, strlen(id), h);
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
+						 IDEM_LOCKTAG_DELIVERY);
+	return LockAcquire(&tag, ExclusiveLock, false, !wait) != LOCKACQUIRE_NOT_AVAIL;
+}
+
+/*
+ * Make sure these aggregates have deliveries rows for the subscription.
+ * Relays make them when they first meet an aggregate (wait false: those
+ * whose row another relay is making now are left out, and n is updated),
+ * administrative acks, nacks, redrives and discards too (wait true).
  */
 void
-outbox_ensure_deliveries(char **types, char **ids, int n)
+outbox_ensure_deliveries(char **types, char **ids, int *n, bool wait)
 {
 	Datum		values[2];
+	int			m = 0;
 
-	if (n == 0)
+	for (int k = 0; k < *n; k++)
+	{
+		if (!outbox_lock_new_row(types[k], ids[k], wait))
+			continue;
+		types[m] = types[k];
+		ids[m++] = ids[k];
+	}
+	*n = m;
+	if (m == 0)
 		return;
-	outbox_key_arrays(types, ids, n, values);
+	outbox_key_arrays(types, ids, m, values);
 	(void) outbox_exec(ST_ENSURE_DELIVERIES, values, NULL, SPI_OK_INSERT);
 }
 
@@ -722,7 +797,7 @@ outbox_apply_dead_policy(Delivery *d, TimestampTz now)
 {
 	Assert(d->dead && !d->leased);
 	d->changed = true;
-	if (outbox_dead_policy == DEAD_SKIP)
+	if (outbox_subscription_dead_policy() == DEAD_SKIP)
 	{
 		d->acked = d->dead_seq;
 		outbox_clear_dead(d, now);

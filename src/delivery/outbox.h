@@ -4,8 +4,9 @@
  *	  What the files of the outbox share, and they only: outbox.c (settings,
  *	  statements, a deliveries row's states), outbox_emit.c (emit and
  *	  wake-ups), outbox_lease.c (idem_outbox_claim: parked aggregates, the
- *	  cursor, candidates) and outbox_settle.c (ack, nack, extend, redrive,
- *	  discard).  outbox.c's banner describes the whole.
+ *	  cursor, candidates), outbox_settle.c (ack, nack, extend, redrive,
+ *	  discard) and outbox_subscriptions.c (subscribe, unsubscribe, the
+ *	  subscription a call works for).  outbox.c's banner describes the whole.
  *
  *-------------------------------------------------------------------------
  */
@@ -13,6 +14,7 @@
 #define IDEM_DELIVERY_OUTBOX_H
 
 #include "access/xact.h"
+#include "fmgr.h"
 #include "storage/itemptr.h"
 #include "utils/jsonb.h"
 #include "utils/uuid.h"
@@ -41,6 +43,7 @@
 #define OUTBOX_DEAD_POLICY_DEFAULT	DEAD_BLOCK
 #define OUTBOX_NOTIFY_DEFAULT		NOTIFY_COMMIT
 #define OUTBOX_MODE_DEFAULT			MODE_TABLE
+#define OUTBOX_MAX_LAG_DEFAULT		(14 * SECS_PER_DAY)
 
 typedef enum
 {
@@ -73,6 +76,7 @@ typedef enum
 	ST_EMIT_SEQ,
 	ST_RESERVE,
 	ST_CURSOR_READ,
+	ST_CURSOR_MAKE,
 	ST_CURSOR_WRITE,
 	ST_SCAN,
 	ST_ENSURE_DELIVERIES,
@@ -142,7 +146,8 @@ extern void outbox_rewind_to(Delivery *d, int64 seq, TimestampTz now);
 extern void outbox_end_lease(Delivery *d, TimestampTz now);
 extern void outbox_write_deliveries(Delivery *ds, int n, TimestampTz now);
 extern void outbox_key_arrays(char **types, char **ids, int n, Datum *values);
-extern void outbox_ensure_deliveries(char **types, char **ids, int n);
+extern bool outbox_lock_new_row(const char *type, const char *id, bool wait);
+extern void outbox_ensure_deliveries(char **types, char **ids, int *n, bool wait);
 extern Delivery *outbox_lock_deliveries(char **types, char **ids, int n, int *nlocked);
 extern bool outbox_lease_is(const Delivery *d, const pg_uuid_t *token);
 extern bool outbox_lease_live(const Delivery *d, TimestampTz now);
@@ -153,6 +158,27 @@ extern bool outbox_apply_dead_policy(Delivery *d, TimestampTz now);
 extern void outbox_event_values(const OutboxEvent *ev, int32 attempts, const pg_uuid_t *token,
 								TimestampTz until, Datum *values, bool *nulls);
 extern void outbox_event_stored_values(const OutboxEvent *ev, Datum *values);
+
+/*---- subscriptions (outbox_subscriptions.c) ----*/
+
+/* The subscription a relay or operator call works for. */
+typedef struct OutboxSubscription
+{
+	int32		id;
+	const char *name;
+	int			ntypes;			/* its aggregate types, or -1: every type */
+	char	  **types;
+	Datum		types_array;	/* text[] of them, if ntypes >= 0 */
+	int			dead_policy;	/* its own, or -1: the setting's */
+} OutboxSubscription;
+
+struct IdemCapGrants;
+extern const OutboxSubscription *outbox_subscription_open(FunctionCallInfo fcinfo, int argno,
+														   const char *fname, int cap,
+														   const struct IdemCapGrants *g);
+extern int32 outbox_subscription_id(void);
+extern int	outbox_subscription_dead_policy(void);
+extern bool outbox_subscription_covers(const OutboxSubscription *sub, const char *type);
 
 /*---- wake-ups (outbox_emit.c) ----*/
 

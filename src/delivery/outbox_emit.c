@@ -445,7 +445,7 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 		bool		isnull;
 
 		/* its first event, or a racer made the counter: SQL makes or takes it */
-		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_SELECT);
+		n = outbox_exec(ST_EMIT_SEQ, values, NULL, SPI_OK_INSERT_RETURNING);
 		if (n != 1)
 			elog(ERROR, "outbox emit took " UINT64_FORMAT " seqs", n);
 		ev.seq = DatumGetInt64(idem_spi_col(0, 1, &isnull));
@@ -588,10 +588,10 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 			name_datums[a] = CStringGetTextDatum(names[first_new + a]);
 		values[0] = CStringGetTextDatum(aggregate_type);
 		values[1] = idem_build_array(name_datums, NULL, rest, TEXTOID);
-		values[2] = idem_build_array(counts + first_new, NULL, rest, INT8OID);
-		values[3] = BoolGetDatum(outbox_mode != MODE_WAL);
+		values[2] = BoolGetDatum(outbox_mode != MODE_WAL);
+		values[3] = idem_build_array(counts + first_new, NULL, rest, INT8OID);
 		idem_spi_connect_as_owner(&as);
-		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_SELECT);
+		got = outbox_exec(ST_RESERVE, values, NULL, SPI_OK_INSERT_RETURNING);
 		if (got != (uint64) rest)
 			elog(ERROR, "outbox emit reserved " UINT64_FORMAT " counters, not %d", got, rest);
 		for (uint64 r = 0; r < got; r++)

@@ -72,6 +72,7 @@ typedef struct LeaseCall
 	char	  **type_names;
 	int			ntype_names;
 	const IdemCapGrants *grants;	/* the relay's limits, or NULL */
+	const OutboxSubscription *sub;
 	ReturnSetInfo *rsinfo;
 } LeaseCall;
 
@@ -79,6 +80,8 @@ static bool
 type_wanted(LeaseCall *c, const char *type)
 {
 	if (!idem_capability_allows(c->grants, IDEM_AXIS_TYPE, type))
+		return false;
+	if (!outbox_subscription_covers(c->sub, type))
 		return false;
 	if (!c->has_types)
 		return true;
@@ -302,9 +305,44 @@ pos_at(FullTransactionId txid)
 	return p;
 }
 
-/* this backend's cursor, and when it last wrote it back */
-static OutboxPos local_cursor = {{0}, {{0}}};
-static TimestampTz cursor_written = 0;
+/*
+ * This backend's cursors, one per subscription it relays for (the most
+ * recently used few), and when each was last written back.
+ */
+#define LOCAL_CURSORS	8
+typedef struct LocalCursor
+{
+	int32		subscription;	/* -1: free */
+	OutboxPos	pos;
+	TimestampTz written;
+	uint64		used;
+} LocalCursor;
+static LocalCursor local_cursors[LOCAL_CURSORS];
+static uint64 cursor_uses = 0;
+
+/* The subscription's local cursor, a free or the least recently used slot if none. */
+static LocalCursor *
+local_cursor_of(int32 subscription)
+{
+	LocalCursor *victim = &local_cursors[0];
+
+	for (int i = 0; i < LOCAL_CURSORS; i++)
+	{
+		LocalCursor *l = &local_cursors[i];
+
+		if (l->used > 0 && l->subscription == subscription)
+		{
+			l->used = ++cursor_uses;
+			return l;
+		}
+		if (l->used < victim->used)
+			victim = l;
+	}
+	memset(victim, 0, sizeof(LocalCursor));
+	victim->subscription = subscription;
+	victim->used = ++cursor_uses;
+	return victim;
+}
 
 /*
  * The oldest transaction that may still commit an event, as the scan will
@@ -328,13 +366,19 @@ event_horizon(void)
 }
 
 static OutboxPos
-read_cursor(void)
+read_cursor(LocalCursor *local)
 {
 	OutboxPos	stored = pos_at(FullTransactionIdFromU64(0));
 	OutboxPos	next = pos_at(ReadNextFullTransactionId());
 	bool		isnull;
 
-	if (outbox_exec(ST_CURSOR_READ, NULL, NULL, SPI_OK_SELECT) == 1)
+	/* none (after a restore): made by one relay, without waiting for another */
+	if (outbox_exec(ST_CURSOR_READ, NULL, NULL, SPI_OK_SELECT) == 0)
+	{
+		if (outbox_lock_new_row("", "", false))
+			(void) outbox_exec(ST_CURSOR_MAKE, NULL, NULL, SPI_OK_INSERT);
+	}
+	else
 	{
 		Datum		v = idem_spi_col(0, 1, &isnull);
 
@@ -349,24 +393,24 @@ read_cursor(void)
 	/* from another cluster (a restore): worthless, scan everything */
 	if (pos_cmp(&stored, &next) > 0)
 		stored = pos_at(FullTransactionIdFromU64(0));
-	if (pos_cmp(&local_cursor, &next) > 0)
-		local_cursor = pos_at(FullTransactionIdFromU64(0));
-	return pos_cmp(&local_cursor, &stored) > 0 ? local_cursor : stored;
+	if (pos_cmp(&local->pos, &next) > 0)
+		local->pos = pos_at(FullTransactionIdFromU64(0));
+	return pos_cmp(&local->pos, &stored) > 0 ? local->pos : stored;
 }
 
 static void
-write_cursor(OutboxPos pos, TimestampTz now)
+write_cursor(LocalCursor *local, OutboxPos pos, TimestampTz now)
 {
 	Datum		values[2];
 
-	if (pos_cmp(&pos, &local_cursor) > 0)
-		local_cursor = pos;
-	if (now - cursor_written < OUTBOX_CURSOR_WRITE_USECS && now >= cursor_written)
+	if (pos_cmp(&pos, &local->pos) > 0)
+		local->pos = pos;
+	if (now - local->written < OUTBOX_CURSOR_WRITE_USECS && now >= local->written)
 		return;
-	values[0] = FullTransactionIdGetDatum(local_cursor.txid);
-	values[1] = UUIDPGetDatum(&local_cursor.id);
+	values[0] = FullTransactionIdGetDatum(local->pos.txid);
+	values[1] = UUIDPGetDatum(&local->pos.id);
 	(void) outbox_exec(ST_CURSOR_WRITE, values, NULL, SPI_OK_UPDATE);
-	cursor_written = now;
+	local->written = now;
 }
 
 /* Candidate aggregates met by the scan, with their events. */
@@ -524,7 +568,8 @@ lease_candidates(LeaseCall *c, CandidateSet *cs)
 		}
 		if (n == 0)
 			break;
-		outbox_ensure_deliveries(new_types, new_ids, nnew);
+		/* those another relay is making rows for now are its to lease */
+		outbox_ensure_deliveries(new_types, new_ids, &nnew, false);
 
 		outbox_key_arrays(types, ids, n, values);
 		values[2] = TimestampTzGetDatum(c->now);
@@ -631,7 +676,8 @@ static void
 lease_by_cursor(LeaseCall *c)
 {
 	OutboxPos	horizon = event_horizon();
-	OutboxPos	from = read_cursor();
+	LocalCursor *local = local_cursor_of(c->sub->id);
+	OutboxPos	from = read_cursor(local);
 	EventScan	st = {0};
 	bool		exhausted = false;
 
@@ -652,7 +698,7 @@ lease_by_cursor(LeaseCall *c)
 	else if (!st.pending_seen && !exhausted && pos_cmp(&st.last_seen, &horizon) < 0)
 		horizon = st.last_seen;
 	if (pos_cmp(&horizon, &from) > 0)
-		write_cursor(horizon, c->now);
+		write_cursor(local, horizon, c->now);
 }
 
 Datum
@@ -696,8 +742,16 @@ idem_outbox_claim(PG_FUNCTION_ARGS)
 	idem_lease_token(&c.token);
 
 	idem_spi_connect_as_owner(&as);
+	c.sub = outbox_subscription_open(fcinfo, 3, "idem_outbox_claim", IDEM_CAP_RELAY, c.grants);
+	if (!c.has_types && c.sub->ntypes >= 0)
+	{
+		c.types = c.sub->types_array;
+		c.type_names = c.sub->types;
+		c.ntype_names = c.sub->ntypes;
+		c.has_types = true;
+	}
 	lease_parked(&c, ST_PARKED_DUE);
-	if (outbox_dead_policy == DEAD_SKIP && c.taken < c.batch)
+	if (outbox_subscription_dead_policy() == DEAD_SKIP && c.taken < c.batch)
 		lease_parked(&c, ST_PARKED_DEAD);
 	if (c.taken < c.batch)
 		lease_by_cursor(&c);

@@ -212,13 +212,17 @@ idem_outbox_ack(PG_FUNCTION_ARGS)
 	const IdemCapGrants *g = idem_capability_require_any("idem_outbox_ack", IDEM_CAP_RELAY);
 	IdemAsOwner as;
 
-	if (n == 0)
-		PG_RETURN_INT32(0);
 	idem_spi_connect_as_owner(&as);
+	(void) outbox_subscription_open(fcinfo, 2, "idem_outbox_ack", IDEM_CAP_RELAY, g);
+	if (n == 0)
+	{
+		idem_spi_finish_as_owner(&as);
+		PG_RETURN_INT32(0);
+	}
 	found = find_events(ids, n, &nfound, g);
 	nagg = distinct_aggregates(found, nfound, &types, &aggs);
 	if (!fenced)
-		outbox_ensure_deliveries(types, aggs, nagg);
+		outbox_ensure_deliveries(types, aggs, &nagg, true);
 	ds = outbox_lock_deliveries(types, aggs, nagg, &nlocked);
 	for (int i = 0, f = 0; i < nlocked; i++)
 	{
@@ -271,6 +275,7 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	g = idem_capability_require_any("idem_outbox_nack", IDEM_CAP_RELAY);
 
 	idem_spi_connect_as_owner(&as);
+	(void) outbox_subscription_open(fcinfo, 4, "idem_outbox_nack", IDEM_CAP_RELAY, g);
 	idd = UUIDPGetDatum(id);
 	found = find_events(&idd, 1, &nfound, g);
 	if (nfound == 0)
@@ -279,7 +284,11 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 		PG_RETURN_VOID();		/* not an event (any more): nothing to retry */
 	}
 	if (!fenced)
-		outbox_ensure_deliveries(&found[0].aggregate_type, &found[0].aggregate_id, 1);
+	{
+		int			one = 1;
+
+		outbox_ensure_deliveries(&found[0].aggregate_type, &found[0].aggregate_id, &one, true);
+	}
 	d = outbox_lock_deliveries(&found[0].aggregate_type, &found[0].aggregate_id, 1, &nlocked);
 	if (nlocked == 1 && found[0].seq > d->acked && !d->dead &&
 		(!fenced || outbox_lease_held(d, PG_GETARG_UUID_P(3), now)))
@@ -321,6 +330,7 @@ idem_outbox_extend(PG_FUNCTION_ARGS)
 	idem_lease_extend_args(fcinfo, values);
 	g = idem_capability_require_any("idem_outbox_extend", IDEM_CAP_RELAY);
 	idem_spi_connect_as_owner(&as);
+	(void) outbox_subscription_open(fcinfo, 2, "idem_outbox_extend", IDEM_CAP_RELAY, g);
 
 	/* a limited relay extends nothing if the lease holds another type */
 	if (idem_capability_limited(g, IDEM_AXIS_TYPE))
@@ -380,9 +390,13 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn, const char *fn
 	Datum	   *mine;
 	uint64		nmine = 0;
 
-	if (n == 0)
-		return 0;
 	idem_spi_connect_as_owner(&as);
+	(void) outbox_subscription_open(fcinfo, 1, fname, IDEM_CAP_OPERATOR, g);
+	if (n == 0)
+	{
+		idem_spi_finish_as_owner(&as);
+		return 0;
+	}
 	arr = idem_build_array(ids, NULL, n, UUIDOID);
 	got = outbox_exec(ST_FIND_DEAD, &arr, NULL, SPI_OK_SELECT);
 	found = palloc(sizeof(FoundEvent) * Max(got, 1));
@@ -404,7 +418,7 @@ settle_dead_letters(FunctionCallInfo fcinfo, DeadLetterAction fn, const char *fn
 	got = nmine;
 	arr = idem_build_array(mine, NULL, (int) nmine, UUIDOID);
 	nagg = distinct_aggregates(found, (int) got, &types, &aggs);
-	outbox_ensure_deliveries(types, aggs, nagg);
+	outbox_ensure_deliveries(types, aggs, &nagg, true);
 	ds = outbox_lock_deliveries(types, aggs, nagg, &nlocked);
 	for (int i = 0, f = 0; i < nlocked; i++)
 	{

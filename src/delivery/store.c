@@ -64,6 +64,7 @@ const StoreDesc idem_stores[IDEM_NSTORES] = {
 		" ORDER BY txid DESC, id DESC LIMIT 1000) e",
 		"outbox_partition_pinned", "idempotency.outbox_keep_undelivered",
 		"SELECT EXISTS (SELECT FROM %s WHERE txid >= $1)",
+		"outbox_detach_lagging", "idempotency.outbox_max_lag",
 	},
 	[IDEM_STORE_REQUESTS] = {
 		"requests", "requests", "request_partitions",

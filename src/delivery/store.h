@@ -49,6 +49,15 @@ typedef struct StoreDesc
 	 * snapshot's xmin), an index probe; NULL: check the pins again instead.
 	 */
 	const char *written_since;
+
+	/*
+	 * With pins: function(regclass, interval, timestamptz) -> setof text
+	 * that detaches whoever pins a partition longer than the interval
+	 * setting detach_after allows before the round's time, and names them;
+	 * NULL: pins hold for ever.
+	 */
+	const char *detach;
+	const char *detach_after;
 } StoreDesc;
 
 extern const StoreDesc idem_stores[IDEM_NSTORES];

@@ -44,6 +44,7 @@
 #include "claims/settings.h"
 #include "maintenance/actions.h"
 
+#include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "common/catalog.h"
@@ -363,6 +364,47 @@ written_since(DropCall *c)
 }
 
 /*
+ * A pinned partition that ended longer ago than the store's detach_after
+ * setting allows: detach whoever pins it (only a trusted caller's setting
+ * counts, as for keep_pinned), one action each.  True if any was.
+ */
+static bool
+detach_lagging(DropCall *c)
+{
+	const StoreDesc *d = c->r->d;
+	Oid			types[3] = {REGCLASSOID, TEXTOID, TIMESTAMPTZOID};
+	Datum		values[3];
+	bool		any = false;
+
+	if (d->detach == NULL || !idem_round_caller_trusted())
+		return false;
+	values[0] = ObjectIdGetDatum(c->p->relid);
+	values[1] = CStringGetTextDatum(GetConfigOption(d->detach_after, false, false));
+	values[2] = TimestampTzGetDatum(c->r->now);
+	if (SPI_execute_with_args(psprintf("SELECT %s.%s($1, $2::pg_catalog.interval, $3)",
+									   IDEM_SCHEMA, d->detach),
+							  3, types, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not detach what pins %s", c->name);
+	for (uint64 r = 0; r < SPI_processed; r++)
+	{
+		bool		isnull;
+		Datum		v = SPI_getbinval(SPI_tuptable->vals[r], SPI_tuptable->tupdesc, 1, &isnull);
+
+		if (isnull)
+			continue;
+		idem_report_action(c->r->rep, "detach subscription", TextDatumGetCString(v));
+		any = true;
+	}
+	/* the pins are read again: under the active snapshot, which must see this */
+	if (any)
+	{
+		CommandCounterIncrement();
+		UpdateActiveSnapshotCommandId();
+	}
+	return any;
+}
+
+/*
  * The first check, with no lock beyond AccessShareLock: no row younger than
  * the retention, nothing pinned.  Under the latest snapshot (a caller in
  * REPEATABLE READ must not decide from an old one), whose xmin is kept for
@@ -376,7 +418,8 @@ check_one(void *arg)
 	PushActiveSnapshot(GetLatestSnapshot());
 	c->seen_xmin = active_snapshot_xmin();
 	c->droppable = !has_young_rows(c);
-	if (c->droppable && pins_count(c->r->d) && partition_pinned(c->r->d, c->p->relid))
+	if (c->droppable && pins_count(c->r->d) && partition_pinned(c->r->d, c->p->relid) &&
+		!(detach_lagging(c) && !partition_pinned(c->r->d, c->p->relid)))
 	{
 		idem_report_action(c->r->rep, "keep (pinned)", c->name);
 		c->droppable = false;

@@ -66,6 +66,13 @@
 #             transaction, stride 97 as in (d)), interleaved,
 #             the first round discarded as warm-up, medians of the rest:
 #             emit vs INSERT (target >= 0.9x) and emit_many vs emit
+#   g subs    k = IDEM_OUTBOX_SUBSCRIPTIONS subscriptions (default "1 2 4":
+#             'default' and k - 1 more, subscribed 'now'): emit as in (a)
+#             beside INSERT with k subscriptions (target: unchanged), then
+#             IDEM_OUTBOX_SUB_EVENTS events loaded as in (b) (one event per
+#             aggregate per batch) and each subscription drained in turn by
+#             2 relays: events/s of each, against 1 subscription's drain
+#             (target >= 0.9x)
 #
 # Ratios are candidate / baseline of the medians of interleaved rounds (the
 # order of the two sides alternates from round to round); for (e) lower is
@@ -87,6 +94,8 @@
 #   IDEM_OUTBOX_PGQ_TICKER  consumer | pgqd (consumer)
 #   IDEM_OUTBOX_WAL_EVENTS  events per side in (e) (20000)
 #   IDEM_OUTBOX_CPU_EVENTS  events per side and round in (f) (20000)
+#   IDEM_OUTBOX_SUBSCRIPTIONS  subscription counts for (g) ("1 2 4")
+#   IDEM_OUTBOX_SUB_EVENTS  events loaded per drain in (g) (50000)
 #   IDEM_OUTBOX_KEEP=1      keep the databases (obx_emit, obx_drain, ...)
 #   IDEM_OUTBOX_BASELINE_ONLY=1  skip every candidate measurement (to try
 #                           the script on a build without the outbox)
@@ -96,7 +105,7 @@ dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
 ROUNDS=${IDEM_BENCH_ROUNDS:-3}
-PARTS=${IDEM_OUTBOX_PARTS:-emit drain e2e many wal cpu}
+PARTS=${IDEM_OUTBOX_PARTS:-emit drain e2e many wal cpu subs}
 AGGS=${IDEM_OUTBOX_AGGREGATES:-10000}
 NEV=${IDEM_OUTBOX_EVENTS:-200000}
 RELAYS=${IDEM_OUTBOX_RELAYS:-2 4}
@@ -107,6 +116,8 @@ TICKER=${IDEM_OUTBOX_PGQ_TICKER:-consumer}
 WAL_EV=${IDEM_OUTBOX_WAL_EVENTS:-20000}
 CPU_EV=${IDEM_OUTBOX_CPU_EVENTS:-20000}
 DRAIN_MAX=${IDEM_OUTBOX_DRAIN_MAX_SECONDS:-15}
+SUB_COUNTS=${IDEM_OUTBOX_SUBSCRIPTIONS:-1 2 4}
+SUB_EV=${IDEM_OUTBOX_SUB_EVENTS:-50000}
 LOAD_TXN=50     # events per transaction when (b) loads its events
 BASE_ONLY=${IDEM_OUTBOX_BASELINE_ONLY:-}
 
@@ -208,9 +219,14 @@ SQL
 }
 
 # backlog_idem DB: events emitted and not acked
+# backlog_idem DB [SUBSCRIPTION]: events not delivered to the subscription
+# ('default'), which has a deliveries row for every aggregate (warm_aggregates
+# drained them all; the others are subscribed 'now' after)
 backlog_idem() {
     q "$1" -c "SELECT coalesce((SELECT sum(last_seq) FROM idempotency.outbox_sequences), 0)
-                    - coalesce((SELECT sum(acked_seq) FROM idempotency.outbox_deliveries), 0)"
+                    - coalesce((SELECT sum(d.acked_seq) FROM idempotency.outbox_deliveries d
+                                 JOIN idempotency.outbox_subscriptions b ON b.id = d.subscription
+                                WHERE b.name = '${2:-default}'), 0)"
 }
 backlog_plain() { q "$1" -c "SELECT count(*) FROM bench_outbox"; }
 acked_idem() { q "$1" -c "SELECT coalesce(sum(acked_seq), 0) FROM idempotency.outbox_deliveries"; }
@@ -220,16 +236,18 @@ emitted_idem() { q "$1" -c "SELECT coalesce(sum(last_seq), 0) FROM idempotency.o
 # ack (no lease token: leases of stopped relays do not matter); untimed
 # clean-up between rounds
 settle_idem() {
-    q "$1" >/dev/null <<'SQL'
+    local sub=${2:-default}
+    q "$1" >/dev/null <<SQL
 SELECT idem_outbox_ack(ARRAY(
     SELECT e.id FROM idempotency.outbox_events e
     LEFT JOIN idempotency.outbox_deliveries d
-      ON d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
-    WHERE e.seq > coalesce(d.acked_seq, 0)));
+      ON d.subscription = (SELECT id FROM idempotency.outbox_subscriptions WHERE name = '$sub')
+     AND d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
+    WHERE e.seq > coalesce(d.acked_seq, 0)), NULL, '$sub');
 SQL
     local left
-    left=$(backlog_idem "$1")
-    ((left == 0)) || die "$1: $left events still undelivered after an administrative ack of all"
+    left=$(backlog_idem "$1" "$sub")
+    ((left == 0)) || die "$1: $left events still undelivered to $sub after an administrative ack of all"
 }
 
 # drain_all_idem / drain_all_plain DB: relays of 100 until nothing is left
@@ -239,7 +257,7 @@ drain_all_idem() {
         left=$(backlog_idem "$db")
         ((left == 0)) && return 0
         pgb "$db" outbox_relay_idem.sql -c "$CLIENTS" -j "$CLIENTS" \
-            -t $(((left + 100 * CLIENTS - 1) / (100 * CLIENTS))) -D batch=100 -D idle=0
+            -t $(((left + 100 * CLIENTS - 1) / (100 * CLIENTS))) -D batch=100 -D idle=0 -D sub=default
     done
     die "$db: $(backlog_idem "$db") events still undelivered after 50 drains"
 }
@@ -338,11 +356,12 @@ part_emit() {
 
 # ------------------------------------------------------------------ (b) drain
 
-# drain_round DB SIDE RELAYS: drain what is pending; sets DR_EV (events
-# delivered), DR_SECS (wall-clock seconds), DR_LEFT (events left)
+# drain_round DB SIDE RELAYS [SUBSCRIPTION [EVENTS]]: drain what is pending
+# (for the subscription, 'default'); sets DR_EV (events delivered), DR_SECS
+# (wall-clock seconds), DR_LEFT (events left)
 drain_round() {
-    local db=$1 side=$2 nrel=$3 before after t0 t1 per
-    per=$(((NEV + BATCH * nrel - 1) / (BATCH * nrel)))
+    local db=$1 side=$2 nrel=$3 sub=${4:-default} nev=${5:-$NEV} before after t0 t1 per
+    per=$(((nev + BATCH * nrel - 1) / (BATCH * nrel)))
     if [[ $side == plain ]]; then
         before=$(backlog_plain $db)
         t0=$(now)
@@ -350,11 +369,12 @@ drain_round() {
         t1=$(now)
         after=$(backlog_plain $db)
     else
-        before=$(backlog_idem $db)
+        before=$(backlog_idem $db "$sub")
         t0=$(now)
-        drain_pgbench $db outbox_relay_idem.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH" -D idle=0
+        drain_pgbench $db outbox_relay_idem.sql -c "$nrel" -j "$nrel" -t "$per" -D batch="$BATCH" -D idle=0 \
+            -D sub="$sub"
         t1=$(now)
-        after=$(backlog_idem $db)
+        after=$(backlog_idem $db "$sub")
     fi
     DR_EV=$((before - after)) DR_LEFT=$after
     DR_SECS=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
@@ -416,6 +436,57 @@ part_drain() {
     done
 }
 
+# ------------------------------------------------------------------ (g) subscriptions
+
+part_subs() {
+    local db=obx_subs r k i b c s order rate line
+    declare -A EMIT=() BASE=() DRAIN=()
+    new_db $db
+    warm_aggregates $db
+    q $db -c "VACUUM ANALYZE" -c "CHECKPOINT" >/dev/null
+    echo "(g) subscriptions: emit with k of them, then each one's drain of $SUB_EV events (2 relays, batch $BATCH)"
+    for k in $SUB_COUNTS; do
+        # k subscriptions: 'default' and s2 .. sk, from now
+        q $db -c "SELECT count(idem_outbox_subscribe('s' || g, start => 'now')) FROM generate_series(2, $k) g" >/dev/null
+        for r in $(seq "$ROUNDS"); do
+            order="base cand"
+            ((r % 2 == 0)) && order="cand base"
+            for s in $order; do
+                if [[ $s == base ]]; then
+                    pgb $db outbox_emit_plain.sql -c "$CLIENTS" -j "$CLIENTS" -T "$SECS"; b=$(tps)
+                else
+                    pgb $db outbox_emit_idem.sql -c "$CLIENTS" -j "$CLIENTS" -T "$SECS"; c=$(tps)
+                fi
+            done
+            BASE[$k]+="$b " EMIT[$k]+="$c "
+            for i in default $(seq -f 's%g' 2 "$k"); do settle_idem $db "$i"; done
+            q $db -c "TRUNCATE bench_outbox" >/dev/null
+            load_idem $db "$SUB_EV"
+            q $db -c "VACUUM ANALYZE" >/dev/null
+            line=""
+            for i in default $(seq -f 's%g' 2 "$k"); do
+                drain_round $db idem 2 "$i" "$SUB_EV"
+                rate=$(awk -v e="$DR_EV" -v s="$DR_SECS" 'BEGIN { printf "%.1f", e / s }')
+                DRAIN[$k]+="$rate "
+                line+=" $i $(fmt "$rate")/s$DR_CAPPED"
+                settle_idem $db "$i"
+            done
+            echo "  $k subscription(s), round $r: INSERT $(fmt "$b") tps, emit $(fmt "$c") tps; drains:$line"
+        done
+        q $db -c "SELECT count(idem_outbox_unsubscribe('s' || g)) FROM generate_series(2, $k) g" >/dev/null
+    done
+    for k in $SUB_COUNTS; do
+        # shellcheck disable=SC2086
+        ratio "outbox (g) emit with $k subscription(s)" tps idem_outbox_emit ${EMIT[$k]} -- INSERT ${BASE[$k]}
+    done
+    local first
+    first=$(echo "$SUB_COUNTS" | awk '{ print $1 }')
+    for k in $SUB_COUNTS; do
+        # shellcheck disable=SC2086
+        ratio "outbox (g) drain of each of $k subscription(s)" events/s "each of $k" ${DRAIN[$k]} -- "1 subscription" ${DRAIN[$first]}
+    done
+}
+
 # ------------------------------------------------------------------ (c) end to end
 
 pgqd_start() {
@@ -462,7 +533,7 @@ e2e_round() {
                 -D tick=$tick -D idle="$IDLE" -f "$dir/outbox_relay_pgq.sql" >"$tmp/relay.out" 2>&1
         else
             PGDATABASE=$db PGOPTIONS="-c synchronous_commit=off" pgbench -n -M prepared -c 1 -j 1 -T "$E2E_SECS" \
-                -D batch="$BATCH" -D idle="$IDLE" -f "$dir/outbox_relay_idem.sql" >"$tmp/relay.out" 2>&1
+                -D batch="$BATCH" -D idle="$IDLE" -D sub=default -f "$dir/outbox_relay_idem.sql" >"$tmp/relay.out" 2>&1
         fi
     ) &
     rpid=$!
@@ -706,11 +777,12 @@ for p in $PARTS; do
     case $p in
         emit)  part_emit ;;
         drain) part_drain ;;
+        subs) part_subs ;;
         e2e)   part_e2e ;;
         many)  part_many ;;
         wal)   part_wal ;;
         cpu)   part_cpu ;;
-        *) die "unknown part '$p' (emit drain e2e many wal cpu)" ;;
+        *) die "unknown part '$p' (emit drain e2e many wal cpu subs)" ;;
     esac
     echo "  ($p: $((SECONDS - t)) s)"
 done

@@ -59,7 +59,7 @@ timed() {
 }
 
 drain() {
-    pgbench -n -M prepared -c 1 -t $((EVENTS / 100 + 1)) -D batch=100 -D idle=0 \
+    pgbench -n -M prepared -c 1 -t $((EVENTS / 100 + 1)) -D batch=100 -D idle=0 -D sub=default \
         -f "$bench_dir/outbox_relay_idem.sql" >/dev/null
 }
 relay_stdout() { idem-relay --once --batch 100 >/dev/null 2>"$tmp/relay.err"; }

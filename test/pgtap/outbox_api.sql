@@ -121,18 +121,18 @@ SELECT has_function('idem_outbox_emit', ARRAY['text', 'text', 'text', 'jsonb', '
 SELECT function_returns('idem_outbox_emit', ARRAY['text', 'text', 'text', 'jsonb', 'jsonb'], 'idem_outbox_event', 'idem_outbox_emit returns idem_outbox_event');
 SELECT has_function('idem_outbox_emit_many', ARRAY['text', 'text[]', 'text[]', 'jsonb[]', 'jsonb[]'], 'idem_outbox_emit_many(text, text[], text[], jsonb[], jsonb[])');
 SELECT function_returns('idem_outbox_emit_many', ARRAY['text', 'text[]', 'text[]', 'jsonb[]', 'jsonb[]'], 'setof idem_outbox_event', 'idem_outbox_emit_many returns setof idem_outbox_event');
-SELECT has_function('idem_outbox_claim', ARRAY['integer', 'interval', 'text[]'], 'idem_outbox_claim(integer, interval, text[])');
-SELECT function_returns('idem_outbox_claim', ARRAY['integer', 'interval', 'text[]'], 'setof idem_outbox_event', 'idem_outbox_claim returns setof idem_outbox_event');
-SELECT has_function('idem_outbox_ack', ARRAY['uuid[]', 'uuid'], 'idem_outbox_ack(uuid[], uuid)');
-SELECT function_returns('idem_outbox_ack', ARRAY['uuid[]', 'uuid'], 'integer', 'idem_outbox_ack returns integer');
-SELECT has_function('idem_outbox_nack', ARRAY['uuid', 'text', 'interval', 'uuid'], 'idem_outbox_nack(uuid, text, interval, uuid)');
-SELECT function_returns('idem_outbox_nack', ARRAY['uuid', 'text', 'interval', 'uuid'], 'void', 'idem_outbox_nack returns void');
-SELECT has_function('idem_outbox_extend', ARRAY['uuid', 'interval'], 'idem_outbox_extend(uuid, interval)');
-SELECT function_returns('idem_outbox_extend', ARRAY['uuid', 'interval'], 'integer', 'idem_outbox_extend returns integer');
-SELECT has_function('idem_outbox_redrive', ARRAY['uuid[]'], 'idem_outbox_redrive(uuid[])');
-SELECT function_returns('idem_outbox_redrive', ARRAY['uuid[]'], 'integer', 'idem_outbox_redrive returns integer');
-SELECT has_function('idem_outbox_discard', ARRAY['uuid[]'], 'idem_outbox_discard(uuid[])');
-SELECT function_returns('idem_outbox_discard', ARRAY['uuid[]'], 'integer', 'idem_outbox_discard returns integer');
+SELECT has_function('idem_outbox_claim', ARRAY['integer', 'interval', 'text[]', 'text'], 'idem_outbox_claim(integer, interval, text[], text)');
+SELECT function_returns('idem_outbox_claim', ARRAY['integer', 'interval', 'text[]', 'text'], 'setof idem_outbox_event', 'idem_outbox_claim returns setof idem_outbox_event');
+SELECT has_function('idem_outbox_ack', ARRAY['uuid[]', 'uuid', 'text'], 'idem_outbox_ack(uuid[], uuid, text)');
+SELECT function_returns('idem_outbox_ack', ARRAY['uuid[]', 'uuid', 'text'], 'integer', 'idem_outbox_ack returns integer');
+SELECT has_function('idem_outbox_nack', ARRAY['uuid', 'text', 'interval', 'uuid', 'text'], 'idem_outbox_nack(uuid, text, interval, uuid, text)');
+SELECT function_returns('idem_outbox_nack', ARRAY['uuid', 'text', 'interval', 'uuid', 'text'], 'void', 'idem_outbox_nack returns void');
+SELECT has_function('idem_outbox_extend', ARRAY['uuid', 'interval', 'text'], 'idem_outbox_extend(uuid, interval, text)');
+SELECT function_returns('idem_outbox_extend', ARRAY['uuid', 'interval', 'text'], 'integer', 'idem_outbox_extend returns integer');
+SELECT has_function('idem_outbox_redrive', ARRAY['uuid[]', 'text'], 'idem_outbox_redrive(uuid[], text)');
+SELECT function_returns('idem_outbox_redrive', ARRAY['uuid[]', 'text'], 'integer', 'idem_outbox_redrive returns integer');
+SELECT has_function('idem_outbox_discard', ARRAY['uuid[]', 'text'], 'idem_outbox_discard(uuid[], text)');
+SELECT function_returns('idem_outbox_discard', ARRAY['uuid[]', 'text'], 'integer', 'idem_outbox_discard returns integer');
 
 SELECT is(pg_get_function_arguments('idem_outbox_emit(text, text, text, jsonb, jsonb)'::regprocedure),
           'aggregate_type text, aggregate_id text, event_type text, payload jsonb, headers jsonb DEFAULT ''{}''::jsonb',
@@ -140,28 +140,28 @@ SELECT is(pg_get_function_arguments('idem_outbox_emit(text, text, text, jsonb, j
 SELECT is(pg_get_function_arguments('idem_outbox_emit_many(text, text[], text[], jsonb[], jsonb[])'::regprocedure),
           'aggregate_type text, aggregate_ids text[], event_types text[], payloads jsonb[], headers jsonb[] DEFAULT NULL::jsonb[]',
           'idem_outbox_emit_many argument names and defaults');
-SELECT is(pg_get_function_arguments('idem_outbox_claim(integer, interval, text[])'::regprocedure),
-          'batch integer DEFAULT 100, lease interval DEFAULT ''00:00:30''::interval, aggregate_types text[] DEFAULT NULL::text[]',
+SELECT is(pg_get_function_arguments('idem_outbox_claim(integer, interval, text[], text)'::regprocedure),
+          'batch integer DEFAULT 100, lease interval DEFAULT ''00:00:30''::interval, aggregate_types text[] DEFAULT NULL::text[], subscription text DEFAULT ''default''::text',
           'idem_outbox_claim argument names and defaults');
-SELECT is(pg_get_function_arguments('idem_outbox_ack(uuid[], uuid)'::regprocedure),
-          'ids uuid[], lease_token uuid DEFAULT NULL::uuid',
+SELECT is(pg_get_function_arguments('idem_outbox_ack(uuid[], uuid, text)'::regprocedure),
+          'ids uuid[], lease_token uuid DEFAULT NULL::uuid, subscription text DEFAULT ''default''::text',
           'idem_outbox_ack argument names and defaults');
-SELECT is(pg_get_function_arguments('idem_outbox_nack(uuid, text, interval, uuid)'::regprocedure),
-          'id uuid, error text, retry_after interval DEFAULT NULL::interval, lease_token uuid DEFAULT NULL::uuid',
+SELECT is(pg_get_function_arguments('idem_outbox_nack(uuid, text, interval, uuid, text)'::regprocedure),
+          'id uuid, error text, retry_after interval DEFAULT NULL::interval, lease_token uuid DEFAULT NULL::uuid, subscription text DEFAULT ''default''::text',
           'idem_outbox_nack argument names and defaults');
-SELECT is(pg_get_function_arguments('idem_outbox_extend(uuid, interval)'::regprocedure),
-          'lease_token uuid, lease interval', 'idem_outbox_extend argument names');
-SELECT is(pg_get_function_arguments('idem_outbox_redrive(uuid[])'::regprocedure), 'ids uuid[]',
-          'idem_outbox_redrive argument names');
-SELECT is(pg_get_function_arguments('idem_outbox_discard(uuid[])'::regprocedure), 'ids uuid[]',
-          'idem_outbox_discard argument names');
+SELECT is(pg_get_function_arguments('idem_outbox_extend(uuid, interval, text)'::regprocedure),
+          'lease_token uuid, lease interval, subscription text DEFAULT ''default''::text', 'idem_outbox_extend argument names');
+SELECT is(pg_get_function_arguments('idem_outbox_redrive(uuid[], text)'::regprocedure),
+          'ids uuid[], subscription text DEFAULT ''default''::text', 'idem_outbox_redrive argument names');
+SELECT is(pg_get_function_arguments('idem_outbox_discard(uuid[], text)'::regprocedure),
+          'ids uuid[], subscription text DEFAULT ''default''::text', 'idem_outbox_discard argument names');
 
 SELECT is_partitioned('idempotency', 'outbox_events', 'idempotency.outbox_events is partitioned');
 SELECT has_view('idempotency', 'outbox_dead', 'view idempotency.outbox_dead exists');
 SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
                  WHERE attrelid = 'idempotency.outbox_dead'::regclass AND attnum > 0 ORDER BY attnum),
           ARRAY['id', 'aggregate_type', 'aggregate_id', 'seq', 'event_type', 'payload', 'headers',
-                'created_at', 'attempts', 'last_error', 'dead_at'],
+                'created_at', 'attempts', 'last_error', 'dead_at', 'subscription'],
           'idempotency.outbox_dead columns');
 SELECT has_column('idempotency', 'partitions', 'store', 'idempotency.partitions has column store');
 
@@ -175,8 +175,8 @@ SELECT is(ARRAY(SELECT name || '=' || context FROM pg_settings
                  WHERE name LIKE 'idempotency.outbox%' OR name = 'idempotency.debug_clock_offset' ORDER BY name),
           ARRAY['idempotency.debug_clock_offset=superuser', 'idempotency.outbox_dead_policy=user',
                 'idempotency.outbox_keep_undelivered=user',
-                'idempotency.outbox_max_attempts=user', 'idempotency.outbox_mode=user',
-                'idempotency.outbox_notify=user'],
+                'idempotency.outbox_max_attempts=user', 'idempotency.outbox_max_lag=user',
+                'idempotency.outbox_mode=user', 'idempotency.outbox_notify=user'],
           'outbox settings are user settings; the test clock is superuser only');
 SELECT is(ARRAY(SELECT name || ':' || array_to_string(enumvals, '|') FROM pg_settings
                  WHERE name IN ('idempotency.outbox_dead_policy', 'idempotency.outbox_notify', 'idempotency.outbox_mode')
@@ -699,6 +699,8 @@ SELECT pg_temp.setting('outbox_max_attempts', '10') \g /dev/null
 
 -- the table refuses the states that none would have
 SELECT count(*) FROM idem_outbox_emit('st', 'x1', 'x', '{}') \g /dev/null
+-- (relays make an aggregate's row when they first meet it)
+INSERT INTO idempotency.outbox_deliveries (subscription, aggregate_type, aggregate_id) VALUES (0, 'st', 'x1');
 SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET retry_at = 'infinity' WHERE aggregate_type = 'st'$$,
                  '23514', NULL, 'parked for good without a dead head: refused');
 SELECT throws_ok($$UPDATE idempotency.outbox_deliveries SET dead_seq = 1 WHERE aggregate_type = 'st'$$,

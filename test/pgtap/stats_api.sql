@@ -51,8 +51,9 @@ SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
                  WHERE p.prosecdef AND p.pronamespace = 'idempotency'::regnamespace
                  ORDER BY 1),
           ARRAY['idempotency.inbox_partition_pinned(regclass)',
-                'idempotency.outbox_partition_pinned(regclass)', 'idempotency.stats_rows()'],
-          'the only SECURITY DEFINER functions are the three the views call');
+                'idempotency.outbox_partition_pinned(regclass)',
+                'idempotency.outbox_partition_pinned_by(regclass)', 'idempotency.stats_rows()'],
+          'the only SECURITY DEFINER functions are the four the views call');
 SELECT is(ARRAY(SELECT p.oid::regprocedure::text FROM pg_proc p
                  WHERE p.prosecdef AND p.pronamespace = 'idempotency'::regnamespace
                    AND NOT 'search_path=pg_catalog, pg_temp' = ANY (coalesce(p.proconfig, '{}'))),

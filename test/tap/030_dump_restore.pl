@@ -42,6 +42,10 @@ $node->safe_psql('source', q{
 	SELECT count(*) FROM idem_outbox_claim(100, '1 minute', ARRAY['invoice']);
 	SELECT idem_outbox_nack(id, 'poison') FROM idempotency.outbox_events
 	 WHERE aggregate_type = 'invoice';
+	-- a second subscription, to orders only, that has delivered a
+	SELECT idem_outbox_subscribe('audit', ARRAY['order'], 'earliest');
+	CREATE TEMP TABLE audited AS SELECT * FROM idem_outbox_claim(100, '1 minute', NULL, 'audit');
+	SELECT idem_outbox_ack(array_agg(id), NULL, 'audit') FROM audited WHERE aggregate_id = 'a';
 	-- requests: one completed, one in progress under a long lease
 	SELECT count(*) FROM idem_request_begin('r1', 'api', '{"amount": 1}');
 	SELECT idem_request_complete('r1', 'api', '{"id": "pay_1"}', 1, 201);
@@ -118,9 +122,17 @@ is($node->safe_psql('target', q{
 	    ON p.bucket = e.bucket AND p.relid = e.tableoid}),
 	'8', 'every event is in a registered partition (restored beside those CREATE EXTENSION made)');
 is($node->safe_psql('target', q{
-	SELECT string_agg(aggregate_id || ':' || acked_seq, ',' ORDER BY aggregate_id)
-	  FROM idempotency.outbox_deliveries}),
-	'a:3,b:0,c:1,x:0,z:0', 'delivery state restored');
+	SELECT string_agg(b.name || '/' || d.aggregate_id || ':' || d.acked_seq, ','
+	                  ORDER BY b.name, d.aggregate_id)
+	  FROM idempotency.outbox_deliveries d
+	  JOIN idempotency.outbox_subscriptions b ON b.id = d.subscription}),
+	'audit/a:3,audit/b:0,audit/c:0,default/a:3,default/b:0,default/c:1,default/x:0',
+	'delivery state restored, per subscription');
+is($node->safe_psql('target', q{
+	SELECT string_agg(name || ':' || start || ':' || coalesce(aggregate_types::text, '-'), ',' ORDER BY name)
+	  FROM idempotency.outbox_subscriptions}),
+	'audit:earliest:{order},default:earliest:-',
+	'the subscriptions restored, the default one once');
 is($node->safe_psql('target', 'SELECT aggregate_id || seq FROM idempotency.outbox_dead'),
 	'x1', 'dead letters restored');
 is($node->safe_psql('target', q{SELECT seq FROM idem_outbox_emit('order', 'a', 'e', '{}')}),
@@ -129,6 +141,15 @@ is($node->safe_psql('target', q{
 	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
 	  FROM idem_outbox_claim(100, '1 minute')}),
 	'a4,b1,b2,z1', 'a relay on the restored database gets what was pending, in order');
+is($node->safe_psql('target', q{
+	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
+	  FROM idem_outbox_claim(100, '1 minute', NULL, 'audit')}),
+	'a4', '... and so does a relay of the other subscription; its leases on b and c came back live');
+is($node->safe_psql('target', q{
+	SET idempotency.debug_clock_offset = 120;
+	SELECT string_agg(aggregate_id || seq, ',' ORDER BY aggregate_id, seq)
+	  FROM idem_outbox_claim(100, '1 minute', NULL, 'audit')}),
+	'a4,b1,b2,c1', '... and once they expire, all that was pending for it');
 is($node->safe_psql('target', q{
 	SELECT count(*) FROM idempotency.outbox_partitions o
 	 WHERE NOT EXISTS (SELECT FROM pg_class c WHERE c.oid = o.relid)}),

@@ -44,6 +44,8 @@ SELECT idem_guard_version('acct');
 UPDATE acct SET version = 4 WHERE id = 1;
 SELECT count(*) FROM idem_outbox_emit('order', 'o-1', 'created', '{}');
 SELECT count(*) FROM idem_outbox_emit('order', 'o-1', 'paid', '{}');
+SELECT idem_outbox_subscribe('audit', ARRAY['order'], 'earliest');
+SELECT idem_outbox_ack(ARRAY(SELECT id FROM idem_outbox_claim(1, '1 minute', NULL, 'audit')), NULL, 'audit');
 SELECT idem_inbox_receive('hooks', 'm' || g, '{}') FROM generate_series(1, 3) g;
 SELECT count(*) FROM idem_maintain();
 });
@@ -88,8 +90,15 @@ is(metric('idempotency_scope_duplicates', ['scope="billing"']), 2, 'scope billin
 my $v = metric('idempotency_scope_seconds_without_duplicate', ['scope="billing"']);
 ok(defined $v && $v < 600, 'scope billing: a recent duplicate');
 is(metric('idempotency_guard_stale_skips', ['relation="acct"']), 1, 'acct: 1 stale skip');
-is(metric('idempotency_outbox_pending', ['aggregate_type="order"']), 2, 'outbox order: 2 pending');
-is(metric('idempotency_outbox_dead', ['aggregate_type="order"']), 0, 'outbox order: none dead');
+is(metric('idempotency_outbox_pending', ['subscription="default"', 'aggregate_type="order"']), 2,
+	'outbox order: 2 pending for the default subscription');
+is(metric('idempotency_outbox_pending', ['subscription="audit"', 'aggregate_type="order"']), 1,
+	'... 1 for audit');
+is(metric('idempotency_outbox_dead', ['subscription="default"', 'aggregate_type="order"']), 0, 'outbox order: none dead');
+is(metric('idempotency_outbox_subscription_pending', ['subscription="audit"']), 1, 'subscription audit: 1 pending');
+$v = metric('idempotency_outbox_subscription_lag_seconds', ['subscription="audit"']);
+ok(defined $v && $v >= 0 && $v < 600, 'subscription audit: its lag');
+is(metric('idempotency_outbox_subscription_detached', ['subscription="audit"']), 0, 'subscription audit: not detached');
 is(metric('idempotency_inbox_pending', ['source="hooks"']), 3, 'inbox hooks: 3 pending');
 is(metric('idempotency_inbox_dead', ['source="hooks"']), 0, 'inbox hooks: none dead');
 is(metric('idempotency_partitions_partitions', [ 'store="claims"', 'state="current"' ]),

@@ -267,6 +267,37 @@ SELECT count(*) AS cdc_part_dropped FROM idem_maintain() WHERE action = 'drop' A
 SET idempotency.outbox_keep_undelivered = off;
 SELECT count(*) AS cdc_part_dropped FROM idem_maintain() WHERE action = 'drop' AND object = :'cdc_part';
 RESET idempotency.outbox_keep_undelivered;
+-- subscriptions: a partition is kept until every live subscription has
+-- passed it; one further behind than idempotency.outbox_max_lag is
+-- detached, loudly (a WARNING, an action, its state), and pins no more
+SELECT idem_outbox_subscribe('audit', ARRAY['lag'], 'now') AS subscribed;
+SELECT seq FROM idem_outbox_emit('lag', 'l-1', 'pending', '{}');
+SELECT tableoid::regclass AS lag_part FROM idempotency.outbox_events WHERE aggregate_type = 'lag' \gset
+SELECT idem_outbox_ack(ARRAY(SELECT id FROM idempotency.outbox_events WHERE aggregate_type = 'lag')) AS acked_by_default;
+SELECT array_agg(b.name) AS pinned_by
+  FROM idempotency.outbox_partition_pinned_by(:'lag_part') s(id)
+  JOIN idempotency.outbox_subscriptions b ON b.id = s.id;
+-- four days on, past its retention: audit keeps it (14 days allowed)
+SET idempotency.debug_clock_offset = '400h';
+SELECT count(*) FILTER (WHERE action = 'keep (pinned)' AND object = :'lag_part') AS kept_for_audit,
+       count(*) FILTER (WHERE action = 'detach subscription') AS detached
+  FROM idem_maintain();
+SELECT pending, state FROM idempotency.outbox_subscriptions_status WHERE name = 'audit';
+-- allowed two days behind: detached, and the partition goes
+SET idempotency.outbox_max_lag = '2d';
+\set VERBOSITY terse
+CREATE TEMP TABLE round2 AS SELECT * FROM idem_maintain();
+SELECT string_agg(action || ' ' || object, ', ') AS detach_actions FROM round2 WHERE action = 'detach subscription';
+SELECT count(*) AS lag_part_dropped FROM round2 WHERE action = 'drop' AND object = :'lag_part';
+SELECT state, detached_at IS NOT NULL AS has_time, detach_reason LIKE 'needed events of partition %' AS says_why
+  FROM idempotency.outbox_subscriptions_status WHERE name = 'audit';
+SELECT count(*) FROM idem_outbox_claim(10, '1 minute', NULL, 'audit');
+SELECT idem_outbox_subscribe('audit', ARRAY['lag'], 'now');
+\set VERBOSITY default
+SELECT idem_outbox_unsubscribe('audit') AS unsubscribed;
+SELECT idem_outbox_subscribe('audit', ARRAY['lag'], 'now') AS subscribed_again;
+SELECT idem_outbox_unsubscribe('audit') AS unsubscribed;
+RESET idempotency.outbox_max_lag;
 -- the ranges that take events stay contiguous
 SELECT count(*) AS gaps FROM (
     SELECT upper, lead(lower) OVER (ORDER BY lower) AS next_lower FROM idempotency.outbox_partitions) r
