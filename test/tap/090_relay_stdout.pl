@@ -93,7 +93,7 @@ $node->safe_psql($db, q{SELECT idem_outbox_subscribe('audit', ARRAY['load'], 'ea
 IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--subscription', 'audit', '--once', '-v' ],
 	'<', \undef, '>', \$out, '2>', \$err);
 is($?, 0, '--subscription audit --once exits 0');
-is(scalar(grep { /"aggregate_id":"pre"/ } split /\n/, $out), 10,
+is(scalar(grep { ((eval { decode_json($_) } // {})->{aggregate_id} // '') eq 'pre' } split /\n/, $out), 10,
 	'... having delivered the 10 events that the default subscription had delivered already');
 is($node->safe_psql($db, q{SELECT pending FROM idempotency.outbox_subscriptions_status WHERE name = 'audit'}),
 	'0', '... and acked them on audit');
