@@ -65,7 +65,8 @@ typedef struct relay_db
 
 typedef enum batch_status
 {
-	BATCH_CLAIMED, BATCH_EMPTY, BATCH_DB_LOST, BATCH_ERROR
+	BATCH_CLAIMED, BATCH_EMPTY, BATCH_DB_LOST, BATCH_ERROR,
+	BATCH_FATAL					/* the subscription is gone or detached: no retry helps */
 } batch_status;
 
 static void
@@ -316,8 +317,14 @@ run_batch(relay_db *db, const relay_config *cfg, sink_handle *sink)
 	res = PQexecParams(db->conn, db->claim_sql, 4, NULL, params, NULL, NULL, 0);
 	if (PQresultStatus(res) != PGRES_TUPLES_OK)
 	{
-		log_msg(LOG_ERROR, "claim failed", "error", PQerrorMessage(db->conn), NULL);
+		const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+		int			fatal = state && (strcmp(state, "42704") == 0 || strcmp(state, "55000") == 0);
+
+		log_msg(LOG_ERROR, fatal ? "cannot deliver this subscription: stopping" : "claim failed",
+				"error", PQerrorMessage(db->conn), "subscription", cfg->subscription, NULL);
 		PQclear(res);
+		if (fatal)
+			return BATCH_FATAL;
 		return db_lost(db) ? BATCH_DB_LOST : BATCH_ERROR;
 	}
 	n = PQntuples(res);
@@ -643,6 +650,11 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 					db_close(&db);
 				}
 				break;
+			case BATCH_FATAL:
+				db_close(&db);
+				if (sink.open)
+					ops->close(sink.state);
+				return 1;
 			case BATCH_ERROR:
 				if (cfg->once)
 				{
