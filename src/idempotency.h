@@ -51,6 +51,7 @@
 #define IDEM_LOCKTAG_MAINTAIN	0x494D	/* one maintenance round per database */
 #define IDEM_LOCKTAG_REQUEST	0x4952	/* making a request's row again */
 #define IDEM_LOCKTAG_DELIVERY	0x4944	/* making a subscription's deliveries row */
+#define IDEM_LOCKTAG_DELIVERY_ROWS	0x4941	/* who makes a subscription's rows: relays or an operator */
 #define IDEM_LOCKTAG_SUBSCRIPTION	0x4953	/* a subscription's name: in use, or changing */
 
 #endif							/* IDEMPOTENCY_H */

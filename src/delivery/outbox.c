@@ -74,11 +74,11 @@
  *	  batches never wait on each other in a cycle.
  *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
  *	  never waits for another relay; an aggregate locked by one is left to
- *	  it.  A relay makes a missing row only under a conditional lock
- *	  (IDEM_LOCKTAG_DELIVERY, held to commit), and leaves the aggregate to
- *	  whoever holds it, so it never waits on another's insert either.  ack,
+ *	  it.  A relay makes a missing row only under conditional locks (see
+ *	  outbox_ensure_deliveries()), and leaves the aggregate to whoever
+ *	  holds them, so it never waits on another's insert either.  ack,
  *	  nack, redrive and discard lock rows (waiting) in sorted order, and
- *	  take that lock waiting when they must make a row.  Relays never lock outbox_sequences except to unpark (FOR
+ *	  before they make rows the subscription's rows lock (waiting).  Relays never lock outbox_sequences except to unpark (FOR
  *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
  *	  emitter), and emitters never lock outbox_deliveries, so emitters and
  *	  relays never deadlock.  An emitter may wait for the commit of a relay
@@ -663,13 +663,35 @@ outbox_key_arrays(char **types, char **ids, int n, Datum *values)
 }
 
 /*
- * The lock that whoever makes a deliveries row (or, with empty names, a
- * cursor row) of the subscription holds to its commit: a
- * relay that cannot have it at once leaves the aggregate to the one that
- * has it, so that no relay ever waits on another's insert (which could
- * deadlock, the two making rows in different orders).  Administrative
- * callers wait for it, in key order.  A hash collision only defers.
+ * Who makes deliveries rows, and how no relay ever waits on another's
+ * insert (two relays making rows in different orders could deadlock; a
+ * relay waiting on an operator's open transaction would stall):
+ *	- a relay holds, to its commit, a lock per row it makes (on a hash of
+ *	  the subscription and the aggregate; a collision only defers), taken
+ *	  only if free at once: an aggregate whose row another relay is making
+ *	  is left to that relay.  At most OUTBOX_MAX_NEW_ROWS a transaction, so
+ *	  that a batch of new aggregates cannot fill the lock table; the rest
+ *	  wait for the next claim.  It also holds the subscription's rows lock
+ *	  in share mode, again only if free at once;
+ *	- an administrative call (an ack or nack without a lease token, a
+ *	  redrive, a discard) takes the subscription's rows lock exclusive,
+ *	  waiting for the relays in flight: one lock, however many rows it
+ *	  makes, and no relay makes rows until it commits.
+ * With empty names, the lock of the subscription's cursor row.
  */
+static int	new_rows_made = 0;
+static TransactionId new_rows_xid = InvalidTransactionId;
+
+static bool
+lock_rows_of_subscription(LOCKMODE mode, bool wait)
+{
+	LOCKTAG		tag;
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) outbox_subscription_id(), 0,
+						 IDEM_LOCKTAG_DELIVERY_ROWS);
+	return LockAcquire(&tag, mode, false, !wait) != LOCKACQUIRE_NOT_AVAIL;
+}
+
 bool
 outbox_lock_new_row(const char *type, const char *id, bool wait)
 {
@@ -684,21 +706,38 @@ outbox_lock_new_row(const char *type, const char *id, bool wait)
 }
 
 /*
- * Make sure these aggregates have deliveries rows for the subscription.
- * Relays make them when they first meet an aggregate (wait false: those
- * whose row another relay is making now are left out, and n is updated),
- * administrative acks, nacks, redrives and discards too (wait true).
+ * Make sure these aggregates have deliveries rows for the subscription:
+ * a relay (admin false) for those it may make now (see above; the others
+ * are left out of the arrays, and n is updated), an administrative call
+ * (admin true) for all.
  */
 void
-outbox_ensure_deliveries(char **types, char **ids, int *n, bool wait)
+outbox_ensure_deliveries(char **types, char **ids, int *n, bool admin)
 {
 	Datum		values[2];
 	int			m = 0;
 
+	if (admin)
+		(void) lock_rows_of_subscription(ExclusiveLock, true);
+	else
+	{
+		TransactionId xid = GetTopTransactionId();
+
+		if (xid != new_rows_xid)
+		{
+			new_rows_xid = xid;
+			new_rows_made = 0;
+		}
+		if (*n > 0 && !lock_rows_of_subscription(ShareLock, false))
+			*n = 0;				/* an operator is making rows: not now */
+	}
 	for (int k = 0; k < *n; k++)
 	{
-		if (!outbox_lock_new_row(types[k], ids[k], wait))
+		if (!admin && (new_rows_made >= OUTBOX_MAX_NEW_ROWS ||
+					   !outbox_lock_new_row(types[k], ids[k], false)))
 			continue;
+		if (!admin)
+			new_rows_made++;
 		types[m] = types[k];
 		ids[m++] = ids[k];
 	}

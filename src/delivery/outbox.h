@@ -33,6 +33,9 @@
 /* aggregates a claim locks at first, before it knows how long runs are */
 #define OUTBOX_LEASE_GROUP		8
 
+/* deliveries rows a relay makes in one transaction, at most */
+#define OUTBOX_MAX_NEW_ROWS		1024
+
 /* how often a relay writes its cursor back */
 #define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
 
@@ -147,7 +150,7 @@ extern void outbox_end_lease(Delivery *d, TimestampTz now);
 extern void outbox_write_deliveries(Delivery *ds, int n, TimestampTz now);
 extern void outbox_key_arrays(char **types, char **ids, int n, Datum *values);
 extern bool outbox_lock_new_row(const char *type, const char *id, bool wait);
-extern void outbox_ensure_deliveries(char **types, char **ids, int *n, bool wait);
+extern void outbox_ensure_deliveries(char **types, char **ids, int *n, bool admin);
 extern Delivery *outbox_lock_deliveries(char **types, char **ids, int n, int *nlocked);
 extern bool outbox_lease_is(const Delivery *d, const pg_uuid_t *token);
 extern bool outbox_lease_live(const Delivery *d, TimestampTz now);

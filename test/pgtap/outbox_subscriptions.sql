@@ -7,7 +7,7 @@
 \ir include/begin.sql
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(103);
+SELECT plan(109);
 
 -- every event a claim handed out, tagged with the claim's name
 CREATE TEMP TABLE got (call text, id uuid, aggregate_type text, aggregate_id text, seq bigint,
@@ -256,6 +256,21 @@ SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_unsubscribe(''bi
                  '... and may not unsubscribe billing');
 SELECT throws_ok($$SELECT obs_as('obs_ops', 'SELECT idem_outbox_redrive(''{}'', ''billing'')')$$, '42501', NULL,
                  '... nor redrive on it');
+
+-- 10. many aggregates at once: an operator's ack makes their rows under one
+-- lock, a relay makes at most 1024 a transaction (the lock table stays
+-- free; last, as the count is the whole test transaction's)
+SELECT count(*) FROM idem_outbox_emit_many('fb', ARRAY(SELECT 'b' || g FROM generate_series(1, 10000) g),
+                                           array_fill('x'::text, ARRAY[10000]),
+                                           array_fill('{}'::jsonb, ARRAY[10000])) \gset
+SELECT is(idem_outbox_subscribe('bulk', ARRAY['fb'], 'earliest'), true, 'a subscription of 10000 aggregates it has no rows for');
+SELECT is(idem_outbox_ack(ARRAY(SELECT id FROM idempotency.outbox_events WHERE aggregate_type = 'fb'), NULL, 'bulk'), 10000,
+          'an administrative ack of all their events in one call');
+SELECT is(pg_temp.rows_of('bulk', 'outbox_deliveries'), 10000::bigint, '... made their 10000 rows');
+SELECT is(idem_outbox_subscribe('bulk2', ARRAY['fb'], 'earliest'), true, 'another');
+SELECT ok(pg_temp.claim('k1', 'bulk2', NULL, 10000) BETWEEN 1000 AND 1024,
+          'a claim of 10000 new aggregates makes at most 1024 rows in the transaction, and leases them');
+SELECT is(pg_temp.claim('k2', 'bulk2', NULL, 10000), 0, '... and no more in the same transaction');
 
 SELECT * FROM finish();
 ROLLBACK;
