@@ -98,26 +98,28 @@ COMMENT ON FUNCTION idem_outbox_unsubscribe(text) IS
 
 -- The live subscriptions for which a partition holds an undelivered or
 -- dead-lettered event: maintenance keeps the partition for them (or
--- detaches them, idempotency.outbox_detach_lagging()).  None for a table
--- that is no outbox partition, or not one as we made it: the callers say
--- what that means.  Runs as the extension's owner, so that
+-- detaches them, idempotency.outbox_detach_lagging()), as an array of
+-- their ids.  NULL for a table that is no outbox partition, or not one as
+-- we made it: nothing to say.  Runs as the extension's owner, so that
 -- idempotency.partitions reads for a monitoring role granted only the view;
 -- it reads only a partition that is ours (idempotency.relation_distrust()).
 -- May scan the partition: maintenance and the view ask it only of
 -- partitions past their retention.  An aggregate a subscription has no
 -- deliveries row for has delivered nothing to it.
 CREATE OR REPLACE FUNCTION idempotency.outbox_partition_pinned_by(part regclass)
-    RETURNS SETOF integer
+    RETURNS integer[]
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    ids integer[];
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM idempotency.outbox_partitions p WHERE p.relid = part)
        OR idempotency.relation_distrust(part, 'idempotency.outbox_events') IS NOT NULL THEN
-        RETURN;
+        RETURN NULL;
     END IF;
-    RETURN QUERY EXECUTE format(
-        'SELECT b.id FROM idempotency.outbox_subscriptions b'
+    EXECUTE format(
+        'SELECT coalesce(array_agg(b.id ORDER BY b.id), ''{}'') FROM idempotency.outbox_subscriptions b'
         ' WHERE b.detached_at IS NULL'
         '   AND (EXISTS (SELECT 1 FROM idempotency.outbox_dead_letters x JOIN %1$s e'
         '                  ON e.aggregate_type = x.aggregate_type'
@@ -128,7 +130,9 @@ BEGIN
         '                  ON d.subscription = b.id AND d.aggregate_type = e.aggregate_type'
         '                 AND d.aggregate_id = e.aggregate_id'
         '                WHERE (b.aggregate_types IS NULL OR e.aggregate_type = ANY (b.aggregate_types))'
-        '                  AND e.seq > coalesce(d.acked_seq, 0)))', part);
+        '                  AND e.seq > coalesce(d.acked_seq, 0)))', part)
+        INTO ids;
+    RETURN ids;
 END
 $$;
 COMMENT ON FUNCTION idempotency.outbox_partition_pinned_by(regclass) IS
@@ -139,16 +143,10 @@ COMMENT ON FUNCTION idempotency.outbox_partition_pinned_by(regclass) IS
 -- extension makes them).
 CREATE OR REPLACE FUNCTION idempotency.outbox_partition_pinned(part regclass)
     RETURNS boolean
-    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    LANGUAGE sql STABLE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM idempotency.outbox_partitions p WHERE p.relid = part)
-       OR idempotency.relation_distrust(part, 'idempotency.outbox_events') IS NOT NULL THEN
-        RETURN NULL;            -- not one of ours as we made it: nothing to say
-    END IF;
-    RETURN EXISTS (SELECT 1 FROM idempotency.outbox_partition_pinned_by(part));
-END
+    SELECT pg_catalog.cardinality(idempotency.outbox_partition_pinned_by(part)) > 0
 $$;
 COMMENT ON FUNCTION idempotency.outbox_partition_pinned(regclass) IS
     'true if an outbox partition holds an undelivered or dead-lettered event (NULL: not a partition as the extension makes them)';
@@ -177,7 +175,7 @@ BEGIN
         SET detached_at = at,
             detach_reason = format('needed events of partition %s, which ended at %s, more than %s ago (idempotency.outbox_max_lag)',
                                    part, ended, max_lag)
-        WHERE s.id IN (SELECT idempotency.outbox_partition_pinned_by(part)) AND s.detached_at IS NULL
+        WHERE s.id = ANY (idempotency.outbox_partition_pinned_by(part)) AND s.detached_at IS NULL
         RETURNING s.name
     LOOP
         RAISE WARNING 'outbox subscription "%" detached: it is more than % behind', b.name, max_lag

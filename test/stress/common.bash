@@ -23,6 +23,12 @@
 #   pgbench_end PCT_VAR [SQL]
 #                 the end of a pgbench transaction script: when :r <= :PCT_VAR,
 #                 run SQL (if given) and ROLLBACK, else COMMIT
+#   terminate_mid_publish RELAY
+#                 wait (up to 10 s) until relay RELAY (application relayRELAY)
+#                 is idle right after publishing a non-empty batch (its last
+#                 query an INSERT INTO consumer_log, its relay_batch rows
+#                 there) and terminate its backend; sets killed_token (its
+#                 lease token, or '' if it never got there)
 #   expect_zero WHAT SQL [DETAIL_SQL]
 #                 the query's single number must be 0; if not, also print
 #                 up to 10 rows of DETAIL_SQL
@@ -49,6 +55,27 @@ expect_zero() {
     else
         echo "ok: 0 $1"
     fi
+}
+
+terminate_mid_publish() {
+    local kpid ktok end=$((SECONDS + 10))
+    killed_token=''
+    while ((SECONDS < end)); do
+        # (two steps: a volatile function in the WHERE clause could be
+        # evaluated before the other conditions, on any backend)
+        read -r kpid ktok <<<"$(sql -F ' ' -c "
+            SELECT t.pid, b.tok
+            FROM (SELECT pid FROM pg_stat_activity
+                  WHERE application_name = 'relay$1' AND state = 'idle'
+                    AND query LIKE 'INSERT INTO consumer_log%') t,
+                 (SELECT min(lease_token::text) AS tok, count(*) AS n FROM relay_batch WHERE relay = $1) b
+            WHERE b.n > 0")"
+        if [[ -n $kpid && $(sql -c "SELECT pg_terminate_backend($kpid)") == t ]]; then
+            killed_token=$ktok
+            return 0
+        fi
+        sleep 0.05
+    done
 }
 
 pgbench_end() {

@@ -269,24 +269,7 @@ bg_pids+=("$switch_pid")
 
 sleep 1
 # terminate relay 4 while it waits between publishing and acking
-killed_token=''
-end=$((SECONDS + 10))
-while ((SECONDS < end)); do
-    # (two steps: a volatile function in the WHERE clause could be evaluated
-    # before the other conditions, on any backend)
-    read -r kpid ktok <<<"$(sql -F ' ' -c "
-        SELECT t.pid, b.tok
-        FROM (SELECT pid FROM pg_stat_activity
-              WHERE application_name = 'relay4' AND state = 'idle'
-                AND query LIKE 'INSERT INTO consumer_log%') t,
-             (SELECT min(lease_token::text) AS tok, count(*) AS n FROM relay_batch WHERE relay = 4) b
-        WHERE b.n > 0")"
-    if [[ -n $kpid && $(sql -c "SELECT pg_terminate_backend($kpid)") == t ]]; then
-        killed_token=$ktok
-    fi
-    [[ -n $killed_token ]] && break
-    sleep 0.05
-done
+terminate_mid_publish 4
 if [[ -n $killed_token ]]; then
     rc=0
     wait "$r4" || rc=$?

@@ -275,7 +275,7 @@ SELECT seq FROM idem_outbox_emit('lag', 'l-1', 'pending', '{}');
 SELECT tableoid::regclass AS lag_part FROM idempotency.outbox_events WHERE aggregate_type = 'lag' \gset
 SELECT idem_outbox_ack(ARRAY(SELECT id FROM idempotency.outbox_events WHERE aggregate_type = 'lag')) AS acked_by_default;
 SELECT array_agg(b.name) AS pinned_by
-  FROM idempotency.outbox_partition_pinned_by(:'lag_part') s(id)
+  FROM unnest(idempotency.outbox_partition_pinned_by(:'lag_part')) s(id)
   JOIN idempotency.outbox_subscriptions b ON b.id = s.id;
 -- four days on, past its retention: audit keeps it (14 days allowed)
 SET idempotency.debug_clock_offset = '400h';
