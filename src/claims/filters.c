@@ -23,6 +23,11 @@
  * A filter that does not fit is not loaded, and its partition is probed
  * through its index instead; filter_status() reports it.
  *
+ * The summaries of dropped partitions (late.c) are Bloom filters of the
+ * same kind, with more bits per key, stored in idempotency.late_summaries
+ * and held in the same two places, named by (that table, summary id, row
+ * xmin); one that cannot be held is not tested (late.c says so).
+ *
  * Locking rules: the shared area's directory is protected by one LWLock,
  * taken shared to find a filter and exclusive to add or remove one.
  * Claimers test bits without any lock: each backend remembers where it found
@@ -100,6 +105,7 @@ static int	idem_local_filter_memory_kb = LOCAL_FILTER_MEMORY_KB_DEFAULT;
 typedef struct FilterEntry
 {
 	Oid			dboid;			/* InvalidOid: a free slot */
+	Oid			source;			/* IdemPartition.filter_source */
 	Oid			relid;
 	TransactionId xmin;			/* of the registry row that held it */
 	uint32		nbits;
@@ -126,6 +132,7 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 /*---- the backend-local store (library not preloaded) ----*/
 typedef struct LocalFilterKey
 {
+	Oid			source;
 	Oid			relid;
 	TransactionId xmin;
 } LocalFilterKey;
@@ -155,9 +162,9 @@ bloom_bit(uint64 hash, int i, uint32 nbits)
 }
 
 static void
-bloom_add(uint8 *bits, uint32 nbits, uint64 hash)
+bloom_add(uint8 *bits, uint32 nbits, uint64 hash, int nhashes)
 {
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	for (int i = 0; i < nhashes; i++)
 	{
 		uint32		b = bloom_bit(hash, i, nbits);
 
@@ -167,9 +174,9 @@ bloom_add(uint8 *bits, uint32 nbits, uint64 hash)
 
 /* False: the key is certainly not among those added. */
 static bool
-bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
+bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash, int nhashes)
 {
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	for (int i = 0; i < nhashes; i++)
 	{
 		uint32		b = bloom_bit(hash, i, nbits);
 
@@ -180,6 +187,17 @@ bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
 }
 
 /*---- building and validating ----*/
+
+static const uint8 *filter_bits(bytea *stored, uint32 *nbits);
+
+/* Record the CRC of the bits that follow a header. */
+static void
+filter_seal_crc(FilterHeader *hdr)
+{
+	INIT_CRC32C(hdr->crc);
+	COMP_CRC32C(hdr->crc, (uint8 *) (hdr + 1), hdr->nbits / 8);
+	FIN_CRC32C(hdr->crc);
+}
 
 /* The full id of a recent transaction (younger than our snapshots' xmin). */
 static FullTransactionId
@@ -287,17 +305,59 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
 		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
 
-		bloom_add(bits, nbits, idem_key_hash(scope, key));
+		bloom_add(bits, nbits, idem_key_hash(scope, key), IDEM_BLOOM_HASHES);
 	}
 	table_endscan(scan);
 
 	hdr->magic = IDEM_FILTER_MAGIC;
 	hdr->nbits = nbits;
 	hdr->nkeys = info->nkeys;
-	INIT_CRC32C(hdr->crc);
-	COMP_CRC32C(hdr->crc, bits, nbits / 8);
-	FIN_CRC32C(hdr->crc);
+	filter_seal_crc(hdr);
 	return result;
+}
+
+/*
+ * An empty stored filter of nbits bits (rounded up to whole blocks), for
+ * idem_filter_add_hashes().
+ */
+bytea *
+idem_filter_new(uint64 nbits64)
+{
+	uint32		nbits;
+	bytea	   *result;
+	FilterHeader *hdr;
+
+	nbits64 = (Max(nbits64, 1) + IDEM_BLOOM_BLOCK_BITS - 1) / IDEM_BLOOM_BLOCK_BITS * IDEM_BLOOM_BLOCK_BITS;
+	nbits = (uint32) Min(nbits64, (uint64) IDEM_FILTER_MAX_BITS);
+	result = palloc0(VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	SET_VARSIZE(result, VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	hdr = (FilterHeader *) VARDATA(result);
+	hdr->magic = IDEM_FILTER_MAGIC;
+	hdr->nbits = nbits;
+	filter_seal_crc(hdr);
+	return result;
+}
+
+/*
+ * Add keys (by their idem_key_hash()) to a filter made by idem_filter_new(),
+ * in place, with nhashes bits each.  False if the filter is damaged.
+ */
+bool
+idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n, int nhashes)
+{
+	FilterHeader *hdr = (FilterHeader *) VARDATA(stored);
+	uint8	   *bits;
+	uint32		nbits;
+
+	if (VARATT_IS_EXTENDED(stored) || filter_bits(stored, &nbits) == NULL ||
+		VARSIZE(stored) - VARHDRSZ < sizeof(FilterHeader) || hdr->magic != IDEM_FILTER_MAGIC)
+		return false;
+	bits = (uint8 *) (hdr + 1);
+	for (int64 i = 0; i < n; i++)
+		bloom_add(bits, nbits, hashes[i], nhashes);
+	hdr->nkeys += n;
+	filter_seal_crc(hdr);
+	return true;
 }
 
 /*
@@ -343,7 +403,8 @@ filter_bits(bytea *stored, uint32 *nbits)
 static bytea *
 read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
 {
-	Relation	rel = table_open(set->registry_relid, AccessShareLock);
+	bool		late = OidIsValid(p->filter_source);
+	Relation	rel = table_open(late ? p->filter_source : set->registry_relid, AccessShareLock);
 	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
 	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
 	HeapTuple	tup;
@@ -353,12 +414,14 @@ read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
 	{
 		bool		isnull;
 		Datum		d;
+		Oid			id;
 
-		d = heap_getattr(tup, Anum_registry_relid, RelationGetDescr(rel), &isnull);
-		if (DatumGetObjectId(d) != p->relid ||
-			HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
+		/* a registry row names its partition; a summary's, its id */
+		d = heap_getattr(tup, late ? Anum_late_id : Anum_registry_relid, RelationGetDescr(rel), &isnull);
+		id = late ? (Oid) DatumGetInt32(d) : DatumGetObjectId(d);
+		if (id != p->relid || HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
 			continue;
-		d = heap_getattr(tup, Anum_registry_bloom, RelationGetDescr(rel), &isnull);
+		d = heap_getattr(tup, late ? Anum_late_bloom : Anum_registry_bloom, RelationGetDescr(rel), &isnull);
 		if (!isnull)
 			stored = DatumGetByteaPCopy(d);	/* a copy: the buffer is let go */
 		break;
@@ -408,13 +471,14 @@ filters_shmem_startup(void)
 }
 
 static FilterEntry *
-shared_find(Oid relid, TransactionId xmin)
+shared_find(IdemPartition *p)
 {
 	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
 	{
 		FilterEntry *e = &filter_area->entries[i];
 
-		if (e->dboid == MyDatabaseId && e->relid == relid && e->xmin == xmin)
+		if (e->dboid == MyDatabaseId && e->relid == p->relid && e->xmin == p->filter_xmin &&
+			e->source == p->filter_source)
 			return e;
 	}
 	return NULL;
@@ -463,7 +527,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	bool		ok = false;
 
 	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
-	if (shared_find(p->relid, p->filter_xmin) != NULL)
+	if (shared_find(p) != NULL)
 		ok = true;				/* another backend was quicker */
 	else if (shared_alloc(size, &offset))
 	{
@@ -473,6 +537,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 		if (e != NULL)
 		{
 			memcpy(filter_arena + offset, bits, nbits / 8);
+			e->source = p->filter_source;
 			e->relid = p->relid;
 			e->xmin = p->filter_xmin;
 			e->nbits = nbits;
@@ -488,7 +553,11 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	if (!ok)
 		filter_area->refused++;
 	LWLockRelease(filter_area->lock);
-	if (!ok)
+	if (!ok && OidIsValid(p->filter_source))
+		ereport(LOG,
+				(errmsg("no room for late-duplicate summary %u in idempotency.filter_memory", p->relid),
+				 errdetail("Late duplicates of the keys it holds are not detected; raise idempotency.filter_memory to avoid it.")));
+	else if (!ok)
 		ereport(LOG,
 				(errmsg("no room for the Bloom filter of claims partition %u in idempotency.filter_memory",
 						p->relid),
@@ -501,7 +570,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 static bool
 local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbits)
 {
-	LocalFilterKey key = {p->relid, p->filter_xmin};
+	LocalFilterKey key = {p->filter_source, p->relid, p->filter_xmin};
 	LocalFilter *lf;
 	bool		found;
 	Size		size = nbits / 8;
@@ -527,7 +596,12 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 		{
 			bool		listed = false;
 
-			for (int i = 0; i < set->nparts && !listed; i++)
+			/*
+			 * a summary's is kept (late.c forgets those it no longer lists),
+			 * and so is every partition's when a summary is loaded
+			 */
+			listed = OidIsValid(lf->key.source) || set == NULL;
+			for (int i = 0; !listed && i < set->nparts; i++)
 				listed = set->parts[i].relid == lf->key.relid &&
 					set->parts[i].filter_xmin == lf->key.xmin;
 			if (!listed)
@@ -581,7 +655,7 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 		FilterEntry *e;
 
 		LWLockAcquire(filter_area->lock, LW_SHARED);
-		e = shared_find(p->relid, p->filter_xmin);
+		e = shared_find(p);
 		if (e != NULL)
 		{
 			p->filter_bits = filter_arena + e->offset;
@@ -593,7 +667,7 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 	}
 	else if (local_filters != NULL)
 	{
-		LocalFilterKey key = {p->relid, p->filter_xmin};
+		LocalFilterKey key = {p->filter_source, p->relid, p->filter_xmin};
 		LocalFilter *lf = hash_search(local_filters, &key, HASH_FIND, NULL);
 
 		if (lf != NULL)
@@ -603,7 +677,8 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 			return;
 		}
 	}
-	if (filter_area == NULL && ++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
+	if (filter_area == NULL && !OidIsValid(p->filter_source) &&
+		++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
 		return;					/* not worth reading for this backend yet */
 
 	/* not in memory yet: load it from the registry, once */
@@ -614,7 +689,16 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 		return;
 	}
 	bits = filter_bits(stored, &nbits);
-	if (bits == NULL)
+	if (bits == NULL && OidIsValid(p->filter_source))
+	{
+		ereport(WARNING,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("late-duplicate summary %u is damaged", p->relid),
+				 errdetail("Late duplicates of the keys it holds are not detected."),
+				 errhint("Delete its row from idempotency.late_summaries.")));
+		p->filter_missing = true;
+	}
+	else if (bits == NULL)
 	{
 		ereport(WARNING,
 				(errcode(ERRCODE_DATA_CORRUPTED),
@@ -646,6 +730,40 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 	}
 }
 
+typedef enum FilterAnswer
+{
+	FILTER_NO,					/* certainly not among its keys */
+	FILTER_MAYBE,
+	FILTER_UNKNOWN				/* no valid filter at hand */
+} FilterAnswer;
+
+/* Test p's filter, loading it first if need be (set: NULL for a summary). */
+static FilterAnswer
+filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash, int nhashes)
+{
+	for (;;)
+	{
+		uint64		epoch;
+		bool		maybe;
+
+		if (!p->has_filter || p->filter_missing)
+			return FILTER_UNKNOWN;
+		epoch = current_epoch();
+		if (p->filter_bits == NULL || p->filter_epoch != epoch)
+		{
+			resolve_filter(set, p);
+			if (p->filter_bits == NULL)
+				return FILTER_UNKNOWN;	/* not in memory (yet) */
+			continue;
+		}
+		pg_read_barrier();
+		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash, nhashes);
+		pg_read_barrier();
+		if (current_epoch() == epoch)
+			return maybe ? FILTER_MAYBE : FILTER_NO;
+	}
+}
+
 /*
  * May the key with this hash be in sealed partition p?  True when its
  * filter says so, and whenever no valid filter is at hand (then the caller
@@ -654,27 +772,17 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 bool
 idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 {
-	for (;;)
-	{
-		uint64		epoch;
-		bool		maybe;
+	return filter_test(set, p, hash, IDEM_BLOOM_HASHES) != FILTER_NO;
+}
 
-		if (!p->has_filter || p->filter_missing)
-			return true;
-		epoch = current_epoch();
-		if (p->filter_bits == NULL || p->filter_epoch != epoch)
-		{
-			resolve_filter(set, p);
-			if (p->filter_bits == NULL)
-				return true;	/* not in memory (yet): probe */
-			continue;
-		}
-		pg_read_barrier();
-		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash);
-		pg_read_barrier();
-		if (current_epoch() == epoch)
-			return maybe;
-	}
+/*
+ * Does the filter of summary p (filter_source set; see late.c) say the key
+ * may be there?  False too when its filter is not at hand.
+ */
+bool
+idem_filter_summary_maybe(IdemPartition *p, uint64 hash, int nhashes)
+{
+	return filter_test(NULL, p, hash, nhashes) == FILTER_MAYBE;
 }
 
 /*
@@ -684,21 +792,57 @@ idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 void
 idem_filters_forget_others(IdemPartitionSet *set)
 {
+	idem_filters_forget_unlisted(InvalidOid, set->parts, set->nparts, true);
+}
+
+/*
+ * Remove from memory the filters of this database stored in source (see
+ * IdemPartition.filter_source) that parts does not list: those in this
+ * backend's own store, and with shared those in the shared area.
+ * Maintenance runs it for the registry (idem_filters_forget_others()) and
+ * for the summaries (late.c), each of which leaves the other's alone.
+ */
+void
+idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts, bool shared)
+{
 	bool		advanced = false;
 
-	if (filter_area == NULL)
+	if (filter_area != NULL && !shared)
 		return;
+	if (filter_area == NULL)
+	{
+		HASH_SEQ_STATUS seq;
+		LocalFilter *lf;
+
+		if (!OidIsValid(source) || local_filters == NULL)
+			return;				/* the registry's: local_add() sees to them */
+		hash_seq_init(&seq, local_filters);
+		while ((lf = hash_seq_search(&seq)) != NULL)
+		{
+			bool		listed = lf->key.source != source;
+
+			for (int j = 0; j < nparts && !listed; j++)
+				listed = parts[j].relid == lf->key.relid && parts[j].filter_xmin == lf->key.xmin;
+			if (!listed)
+			{
+				local_used -= lf->nbits / 8;
+				pfree(lf->bits);
+				hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
+			}
+		}
+		return;
+	}
 	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
 	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
 	{
 		FilterEntry *e = &filter_area->entries[i];
 		bool		listed = false;
 
-		if (e->dboid != MyDatabaseId)
+		if (e->dboid != MyDatabaseId || e->source != source)
 			continue;
-		for (int j = 0; j < set->nparts && !listed; j++)
-			listed = set->parts[j].relid == e->relid &&
-				set->parts[j].filter_xmin == e->xmin && set->parts[j].has_filter;
+		for (int j = 0; j < nparts && !listed; j++)
+			listed = parts[j].relid == e->relid &&
+				parts[j].filter_xmin == e->xmin && parts[j].has_filter;
 		if (listed)
 			continue;
 		if (!advanced)

@@ -31,6 +31,11 @@ extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *in
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
 extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
+extern bytea *idem_filter_new(uint64 nbits);
+extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n, int nhashes);
+extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash, int nhashes);
+extern void idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts,
+										 bool shared);
 extern void idem_filters_init(void);
 
 #endif							/* IDEM_CLAIMS_FILTERS_H */
