@@ -150,6 +150,11 @@ static uint64 local_refused = 0;
 
 /*---- Bloom filter arithmetic ----*/
 
+/*
+ * The bits of a key in a partition's filter: a block chosen by the low 32
+ * bits of its hash, IDEM_BLOOM_HASHES positions in it by double hashing of
+ * the high 32 bits (the stored format since 1.0).
+ */
 static inline uint32
 bloom_bit(uint64 hash, int i, uint32 nbits)
 {
@@ -161,12 +166,40 @@ bloom_bit(uint64 hash, int i, uint32 nbits)
 	return block * IDEM_BLOOM_BLOCK_BITS + ((h2 + (uint32) i * h3) % IDEM_BLOOM_BLOCK_BITS);
 }
 
-static void
-bloom_add(uint8 *bits, uint32 nbits, uint64 hash, int nhashes)
+/*
+ * In a summary's filter, the same block, and IDEM_SUMMARY_HASHES positions
+ * of 9 independent bits each, drawn from splitmix64 of the hash: double
+ * hashing in a 512-bit block has only 2^17 patterns, so two keys of a
+ * block share all their bits with a probability (about 1 in 10 000 at 25
+ * keys a block) far above what a summary is sized for.
+ */
+static inline uint32
+summary_bit(uint64 hash, int i, uint32 nbits)
 {
+	uint32		nblocks = nbits / IDEM_BLOOM_BLOCK_BITS;
+	uint32		block = (uint32) hash % nblocks;
+	uint64		z = hash + (uint64) (i / 7 + 1) * UINT64CONST(0x9E3779B97F4A7C15);
+
+	z = (z ^ (z >> 30)) * UINT64CONST(0xBF58476D1CE4E5B9);
+	z = (z ^ (z >> 27)) * UINT64CONST(0x94D049BB133111EB);
+	z ^= z >> 31;
+	return block * IDEM_BLOOM_BLOCK_BITS + (uint32) ((z >> (9 * (i % 7))) & (IDEM_BLOOM_BLOCK_BITS - 1));
+}
+
+static inline uint32
+filter_bit(uint64 hash, int i, uint32 nbits, bool summary)
+{
+	return summary ? summary_bit(hash, i, nbits) : bloom_bit(hash, i, nbits);
+}
+
+static void
+bloom_add(uint8 *bits, uint32 nbits, uint64 hash, bool summary)
+{
+	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+
 	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = bloom_bit(hash, i, nbits);
+		uint32		b = filter_bit(hash, i, nbits, summary);
 
 		bits[b / 8] |= (uint8) (1 << (b % 8));
 	}
@@ -174,11 +207,13 @@ bloom_add(uint8 *bits, uint32 nbits, uint64 hash, int nhashes)
 
 /* False: the key is certainly not among those added. */
 static bool
-bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash, int nhashes)
+bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash, bool summary)
 {
+	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+
 	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = bloom_bit(hash, i, nbits);
+		uint32		b = filter_bit(hash, i, nbits, summary);
 
 		if ((bits[b / 8] & (1 << (b % 8))) == 0)
 			return false;
@@ -305,7 +340,7 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
 		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
 
-		bloom_add(bits, nbits, idem_key_hash(scope, key), IDEM_BLOOM_HASHES);
+		bloom_add(bits, nbits, idem_key_hash(scope, key), false);
 	}
 	table_endscan(scan);
 
@@ -339,11 +374,11 @@ idem_filter_new(uint64 nbits64)
 }
 
 /*
- * Add keys (by their idem_key_hash()) to a filter made by idem_filter_new(),
- * in place, with nhashes bits each.  False if the filter is damaged.
+ * Add keys (by their idem_key_hash()) to a summary's filter made by
+ * idem_filter_new(), in place.  False if the filter is damaged.
  */
 bool
-idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n, int nhashes)
+idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n)
 {
 	FilterHeader *hdr = (FilterHeader *) VARDATA(stored);
 	uint8	   *bits;
@@ -354,7 +389,7 @@ idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n, int nhashes
 		return false;
 	bits = (uint8 *) (hdr + 1);
 	for (int64 i = 0; i < n; i++)
-		bloom_add(bits, nbits, hashes[i], nhashes);
+		bloom_add(bits, nbits, hashes[i], true);
 	hdr->nkeys += n;
 	filter_seal_crc(hdr);
 	return true;
@@ -739,7 +774,7 @@ typedef enum FilterAnswer
 
 /* Test p's filter, loading it first if need be (set: NULL for a summary). */
 static FilterAnswer
-filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash, int nhashes)
+filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 {
 	for (;;)
 	{
@@ -757,7 +792,7 @@ filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash, int nhashes)
 			continue;
 		}
 		pg_read_barrier();
-		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash, nhashes);
+		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash, OidIsValid(p->filter_source));
 		pg_read_barrier();
 		if (current_epoch() == epoch)
 			return maybe ? FILTER_MAYBE : FILTER_NO;
@@ -772,7 +807,7 @@ filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash, int nhashes)
 bool
 idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 {
-	return filter_test(set, p, hash, IDEM_BLOOM_HASHES) != FILTER_NO;
+	return filter_test(set, p, hash) != FILTER_NO;
 }
 
 /*
@@ -780,9 +815,9 @@ idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
  * may be there?  False too when its filter is not at hand.
  */
 bool
-idem_filter_summary_maybe(IdemPartition *p, uint64 hash, int nhashes)
+idem_filter_summary_maybe(IdemPartition *p, uint64 hash)
 {
-	return filter_test(NULL, p, hash, nhashes) == FILTER_MAYBE;
+	return filter_test(NULL, p, hash) == FILTER_MAYBE;
 }
 
 /*

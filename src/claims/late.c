@@ -224,7 +224,7 @@ idem_late_lookup(uint64 hash, IdemLateMatch *m)
 	{
 		if (late_times[i].last_drop <= now - window_usecs())
 			continue;			/* past the window; maintenance deletes it */
-		if (idem_filter_summary_maybe(&late_parts[i], hash, IDEM_LATE_HASHES))
+		if (idem_filter_summary_maybe(&late_parts[i], hash))
 		{
 			m->expired_from = late_times[i].expired_from;
 			m->expired_to = late_times[i].expired_to;
@@ -358,7 +358,7 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 		Oid			types[6] = {INT4OID, BYTEAOID, INT8OID, TIMESTAMPTZOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
 		Datum		values[6];
 
-		if (!idem_filter_add_hashes(bloom, hashes, n, IDEM_LATE_HASHES))
+		if (!idem_filter_add_hashes(bloom, hashes, n))
 			ereport(ERROR,
 					(errcode(ERRCODE_DATA_CORRUPTED),
 					 errmsg("late-duplicate summary %d is damaged", newest_id),
@@ -407,7 +407,7 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_LATE_BITS_PER_KEY));
 		capacity = Max(capacity, n);
 		bloom = idem_filter_new((uint64) capacity * IDEM_LATE_BITS_PER_KEY);
-		(void) idem_filter_add_hashes(bloom, hashes, n, IDEM_LATE_HASHES);
+		(void) idem_filter_add_hashes(bloom, hashes, n);
 		values[0] = Int32GetDatum(newest_id + 1);
 		values[1] = TimestampTzGetDatum(expired_from);
 		values[2] = TimestampTzGetDatum(expired_to);

@@ -13,11 +13,11 @@
 #include "utils/relcache.h"
 
 /*
- * A summary's geometry: bits per key it is sized for and bits set per key
- * (doc/claims.md, "Late duplicates", has the false-positive arithmetic).
+ * Bits per key a summary is sized for; it sets IDEM_SUMMARY_HASHES bits a
+ * key (filters.h).  doc/claims.md, "Late duplicates", has the
+ * false-positive arithmetic.
  */
 #define IDEM_LATE_BITS_PER_KEY	20
-#define IDEM_LATE_HASHES		10
 /* Fewest keys a summary is sized for. */
 #define IDEM_LATE_MIN_CAPACITY	1024
 /* The window is cut into this many buckets; a bucket's drops share summaries. */
