@@ -19,4 +19,7 @@ CREATE TABLE idempotency.late_summaries (
     bloom        bytea NOT NULL,
     CHECK (expired_from <= expired_to)
 );
+-- uncompressed, so that a backend can read one block of a filter
+-- (src/claims/filters.c, summary_slice_test())
+ALTER TABLE idempotency.late_summaries ALTER COLUMN bloom SET STORAGE EXTERNAL;
 SELECT pg_catalog.pg_extension_config_dump('idempotency.late_summaries', '');

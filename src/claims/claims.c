@@ -19,7 +19,10 @@
  *	   (scope, key) in a private advisory locktag space, look again in the
  *	   partitions not sealed yet (all of them, filters included, if the
  *	   partition list changed since step 1), insert into the partition that
- *	   covers the current time, and release the value lock at once.
+ *	   covers the current time, and release the value lock at once.  A key
+ *	   found nowhere is first looked up in the summaries of dropped
+ *	   partitions (late.c): a late duplicate is counted, warned about, or
+ *	   refused (IK008, after the value lock is released) before the insert.
  *
  * Every probe uses a dirty snapshot: a committed (or our own) claim means
  * "duplicate"; a claim of a transaction still in progress means: release

@@ -46,6 +46,7 @@
 
 #include <limits.h>
 
+#include "access/detoast.h"
 #include "access/heapam.h"
 #include "access/htup_details.h"
 #include "access/subtrans.h"
@@ -82,6 +83,14 @@ typedef struct FilterHeader
 } FilterHeader;
 
 #define IDEM_FILTER_MAX_BITS	((uint32) 0xFFFFFE00)
+
+typedef enum FilterAnswer
+{
+	FILTER_NO,					/* certainly not among its keys */
+	FILTER_MAYBE,
+	FILTER_UNKNOWN				/* no valid filter at hand */
+} FilterAnswer;
+
 
 /*
  * Without the shared area, a backend loads a partition's filter only after
@@ -431,12 +440,13 @@ filter_bits(bytea *stored, uint32 *nbits)
 }
 
 /*
- * Read a partition's filter from the registry, if the row that names it is
- * still the one this backend's cache was built from.  NULL: gone, changed
- * or damaged (a damaged one is reported).
+ * Read a partition's filter from the registry (a summary's from its table),
+ * if the row that names it is still the one this backend's cache was built
+ * from: length bytes from offset (of what follows the varlena header), or
+ * all of it when length is -1.  NULL: gone or changed.
  */
 static bytea *
-read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
+read_stored_slice(IdemPartitionSet *set, IdemPartition *p, int32 offset, int32 length)
 {
 	bool		late = OidIsValid(p->filter_source);
 	Relation	rel = table_open(late ? p->filter_source : set->registry_relid, AccessShareLock);
@@ -457,14 +467,80 @@ read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
 		if (id != p->relid || HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
 			continue;
 		d = heap_getattr(tup, late ? Anum_late_bloom : Anum_registry_bloom, RelationGetDescr(rel), &isnull);
-		if (!isnull)
-			stored = DatumGetByteaPCopy(d);	/* a copy: the buffer is let go */
+		/* a copy either way: the buffer is let go */
+		if (!isnull && length < 0)
+			stored = DatumGetByteaPCopy(d);
+		else if (!isnull)
+			stored = (bytea *) detoast_attr_slice((struct varlena *) DatumGetPointer(d), offset, length);
 		break;
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snap);
 	table_close(rel, AccessShareLock);
 	return stored;
+}
+
+static bytea *
+read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
+{
+	return read_stored_slice(set, p, 0, -1);
+}
+
+/*
+ * Test a summary's filter by reading only the block the key's bits lie in
+ * (and, once, the header) from its table: what a backend without the
+ * shared area does until it has checked often enough to repay loading the
+ * whole filter (IDEM_LOCAL_LOAD_AFTER), so that a short-lived connection
+ * does not read every summary.  The table stores the filter uncompressed
+ * (sql/tables/10_late.sql), so a slice reads one TOAST chunk or two.  The
+ * CRC, which covers all bits, is not checked here.
+ */
+static FilterAnswer
+summary_slice_test(IdemPartition *p, uint64 hash)
+{
+	bytea	   *slice;
+	const uint8 *block;
+	uint32		b0;
+
+	if (p->filter_nbits == 0)
+	{
+		FilterHeader hdr;
+
+		slice = read_stored_slice(NULL, p, 0, sizeof(FilterHeader));
+		if (slice == NULL || VARSIZE_ANY_EXHDR(slice) != sizeof(FilterHeader))
+		{
+			p->filter_missing = true;
+			return FILTER_UNKNOWN;
+		}
+		memcpy(&hdr, VARDATA_ANY(slice), sizeof(FilterHeader));
+		pfree(slice);
+		if (hdr.magic != IDEM_FILTER_MAGIC || hdr.nbits == 0 || hdr.nbits % IDEM_BLOOM_BLOCK_BITS != 0)
+		{
+			p->filter_missing = true;
+			return FILTER_UNKNOWN;
+		}
+		p->filter_nbits = hdr.nbits;
+	}
+	b0 = ((uint32) hash % (p->filter_nbits / IDEM_BLOOM_BLOCK_BITS)) * IDEM_BLOOM_BLOCK_BITS;
+	slice = read_stored_slice(NULL, p, sizeof(FilterHeader) + b0 / 8, IDEM_BLOOM_BLOCK_BITS / 8);
+	if (slice == NULL || VARSIZE_ANY_EXHDR(slice) != IDEM_BLOOM_BLOCK_BITS / 8)
+	{
+		p->filter_missing = true;
+		return FILTER_UNKNOWN;
+	}
+	block = (const uint8 *) VARDATA_ANY(slice);
+	for (int i = 0; i < IDEM_SUMMARY_HASHES; i++)
+	{
+		uint32		b = summary_bit(hash, i, p->filter_nbits) - b0;
+
+		if ((block[b / 8] & (1 << (b % 8))) == 0)
+		{
+			pfree(slice);
+			return FILTER_NO;
+		}
+	}
+	pfree(slice);
+	return FILTER_MAYBE;
 }
 
 /*---- the shared area ----*/
@@ -712,8 +788,7 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 			return;
 		}
 	}
-	if (filter_area == NULL && !OidIsValid(p->filter_source) &&
-		++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
+	if (filter_area == NULL && ++p->local_lookups < IDEM_LOCAL_LOAD_AFTER)
 		return;					/* not worth reading for this backend yet */
 
 	/* not in memory yet: load it from the registry, once */
@@ -724,21 +799,17 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 		return;
 	}
 	bits = filter_bits(stored, &nbits);
-	if (bits == NULL && OidIsValid(p->filter_source))
+	if (bits == NULL)
 	{
+		bool		late = OidIsValid(p->filter_source);
+
 		ereport(WARNING,
 				(errcode(ERRCODE_DATA_CORRUPTED),
-				 errmsg("late-duplicate summary %u is damaged", p->relid),
-				 errdetail("Late duplicates of the keys it holds are not detected."),
-				 errhint("Delete its row from idempotency.late_summaries.")));
-		p->filter_missing = true;
-	}
-	else if (bits == NULL)
-	{
-		ereport(WARNING,
-				(errcode(ERRCODE_DATA_CORRUPTED),
+				 late ? errmsg("late-duplicate summary %u is damaged", p->relid) :
 				 errmsg("Bloom filter of claims partition %u is damaged", p->relid),
+				 late ? errdetail("Late duplicates of the keys it holds are not detected.") :
 				 errdetail("Claims look in the partition's index instead."),
+				 late ? errhint("Delete its row from idempotency.late_summaries.") :
 				 errhint("Run idem_maintain() after setting bloom to NULL in idempotency.partition_registry to rebuild it.")));
 		p->filter_missing = true;
 	}
@@ -765,13 +836,6 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 	}
 }
 
-typedef enum FilterAnswer
-{
-	FILTER_NO,					/* certainly not among its keys */
-	FILTER_MAYBE,
-	FILTER_UNKNOWN				/* no valid filter at hand */
-} FilterAnswer;
-
 /* Test p's filter, loading it first if need be (set: NULL for a summary). */
 static FilterAnswer
 filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
@@ -787,9 +851,12 @@ filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 		if (p->filter_bits == NULL || p->filter_epoch != epoch)
 		{
 			resolve_filter(set, p);
-			if (p->filter_bits == NULL)
-				return FILTER_UNKNOWN;	/* not in memory (yet) */
-			continue;
+			if (p->filter_bits != NULL)
+				continue;
+			/* not in memory (yet): a summary's block is read from its table */
+			if (OidIsValid(p->filter_source) && filter_area == NULL && !p->filter_missing)
+				return summary_slice_test(p, hash);
+			return FILTER_UNKNOWN;
 		}
 		pg_read_barrier();
 		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash, OidIsValid(p->filter_source));

@@ -282,12 +282,49 @@ idem_late_claimed(text *scope, text *key, const IdemLateMatch *m)
 
 /*---- maintenance ----*/
 
+/* A bucket of the window: drops in one bucket share summaries. */
+static int64
+bucket_width(void)
+{
+	return Max(window_usecs() / IDEM_LATE_BUCKETS, USECS_PER_SEC);
+}
+
 static int64
 bucket_of(TimestampTz t)
 {
-	int64		width = Max(window_usecs() / IDEM_LATE_BUCKETS, USECS_PER_SEC);
+	int64		width = bucket_width();
 
 	return t >= 0 ? t / width : (t - width + 1) / width;
+}
+
+/* The key hashes of a partition's claims; *n of them. */
+static uint64 *
+partition_hashes(Relation part, int64 *n)
+{
+	TupleDesc	desc = RelationGetDescr(part);
+	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
+	TableScanDesc scan = table_beginscan(part, snap, 0, NULL);
+	HeapTuple	tup;
+	int64		cap = 1024;
+	uint64	   *hashes = palloc(cap * sizeof(uint64));
+
+	*n = 0;
+	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
+		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
+
+		if (*n == cap)
+		{
+			cap *= 2;
+			hashes = repalloc_huge(hashes, cap * sizeof(uint64));
+		}
+		hashes[(*n)++] = idem_key_hash(scope, key);
+	}
+	table_endscan(scan);
+	UnregisterSnapshot(snap);
+	return hashes;
 }
 
 /*
@@ -299,41 +336,22 @@ bucket_of(TimestampTz t)
 void
 idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, TimestampTz now)
 {
-	Oid			relid;
-	TupleDesc	desc = RelationGetDescr(part);
-	Snapshot	snap;
-	TableScanDesc scan;
-	HeapTuple	tup;
 	uint64	   *hashes;
-	int64		n = 0;
-	int64		cap = 1024;
+	int64		n;
 	bool		found;
 	int32		newest_id = 0;
 	TimestampTz newest_drop = 0;
 	int64		newest_nkeys = 0;
 	int64		newest_capacity = 0;
+	int32		id;
+	int64		capacity;
+	bytea	   *bloom;
+	Oid			types[7] = {INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID, TIMESTAMPTZOID, INT8OID, INT8OID, BYTEAOID};
+	Datum		values[7];
 
-	if (idem_late_window_secs == 0 || !OidIsValid(relid = summaries_relid()))
+	if (idem_late_window_secs == 0 || !OidIsValid(summaries_relid()))
 		return;
-
-	hashes = palloc(cap * sizeof(uint64));
-	snap = RegisterSnapshot(GetLatestSnapshot());
-	scan = table_beginscan(part, snap, 0, NULL);
-	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
-	{
-		bool		isnull;
-		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
-		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
-
-		if (n == cap)
-		{
-			cap *= 2;
-			hashes = repalloc_huge(hashes, cap * sizeof(uint64));
-		}
-		hashes[n++] = idem_key_hash(scope, key);
-	}
-	table_endscan(scan);
-	UnregisterSnapshot(snap);
+	hashes = partition_hashes(part, &n);
 	if (n == 0)
 		return;
 
@@ -354,25 +372,10 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 	{
 		/* room in the current bucket's summary */
 		bool		isnull;
-		bytea	   *bloom = DatumGetByteaPCopy(idem_spi_col(0, 5, &isnull));
-		Oid			types[6] = {INT4OID, BYTEAOID, INT8OID, TIMESTAMPTZOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
-		Datum		values[6];
 
-		if (!idem_filter_add_hashes(bloom, hashes, n))
-			ereport(ERROR,
-					(errcode(ERRCODE_DATA_CORRUPTED),
-					 errmsg("late-duplicate summary %d is damaged", newest_id),
-					 errhint("Delete its row from idempotency.late_summaries.")));
-		values[0] = Int32GetDatum(newest_id);
-		values[1] = PointerGetDatum(bloom);
-		values[2] = Int64GetDatum(n);
-		values[3] = TimestampTzGetDatum(expired_from);
-		values[4] = TimestampTzGetDatum(expired_to);
-		values[5] = TimestampTzGetDatum(now);
-		idem_spi_exec("UPDATE idempotency.late_summaries SET bloom = $2, nkeys = nkeys + $3,"
-					  " expired_from = LEAST(expired_from, $4), expired_to = GREATEST(expired_to, $5),"
-					  " last_drop = GREATEST(last_drop, $6) WHERE id = $1",
-					  6, types, values, SPI_OK_UPDATE);
+		id = newest_id;
+		capacity = newest_capacity;
+		bloom = DatumGetByteaPCopy(idem_spi_col(0, 5, &isnull));
 	}
 	else
 	{
@@ -381,19 +384,17 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 		 * steady state), for twice this drop, and within a bucket that
 		 * outgrew its summary for twice that one.
 		 */
-		int64		capacity = Max(IDEM_LATE_MIN_CAPACITY, 2 * n);
-		int64		width = Max(window_usecs() / IDEM_LATE_BUCKETS, USECS_PER_SEC);
-		Oid			types[7] = {INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID, TIMESTAMPTZOID, INT8OID, INT8OID, BYTEAOID};
-		Datum		values[7];
-		bytea	   *bloom;
-		bool		isnull;
+		int64		width = bucket_width();
 
+		id = newest_id + 1;
+		capacity = Max(IDEM_LATE_MIN_CAPACITY, 2 * n);
 		if (found && bucket_of(newest_drop) == bucket_of(now))
 			capacity = Max(capacity, 2 * newest_capacity);
 		else
 		{
 			Oid			btypes[2] = {TIMESTAMPTZOID, TIMESTAMPTZOID};
 			Datum		bvalues[2];
+			bool		isnull;
 			int64		prev;
 
 			bvalues[0] = TimestampTzGetDatum((bucket_of(now) - 1) * width);
@@ -407,21 +408,32 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_LATE_BITS_PER_KEY));
 		capacity = Max(capacity, n);
 		bloom = idem_filter_new((uint64) capacity * IDEM_LATE_BITS_PER_KEY);
-		(void) idem_filter_add_hashes(bloom, hashes, n);
-		values[0] = Int32GetDatum(newest_id + 1);
-		values[1] = TimestampTzGetDatum(expired_from);
-		values[2] = TimestampTzGetDatum(expired_to);
-		values[3] = TimestampTzGetDatum(now);
-		values[4] = Int64GetDatum(n);
-		values[5] = Int64GetDatum(capacity);
-		values[6] = PointerGetDatum(bloom);
-		idem_spi_exec("INSERT INTO idempotency.late_summaries"
-					  " (id, expired_from, expired_to, last_drop, nkeys, capacity, bloom)"
-					  " VALUES ($1, $2, $3, $4, $5, $6, $7)", 7, types, values, SPI_OK_INSERT);
-		values[0] = Int32GetDatum(newest_id + 1 - IDEM_LATE_MAX_SUMMARIES);
-		idem_spi_exec("DELETE FROM idempotency.late_summaries WHERE id <= $1",
-					  1, types, values, SPI_OK_DELETE);
 	}
+	if (!idem_filter_add_hashes(bloom, hashes, n))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("late-duplicate summary %d is damaged", id),
+				 errhint("Delete its row from idempotency.late_summaries.")));
+
+	/* the new summary, or the one added to; and at most as many as allowed */
+	values[0] = Int32GetDatum(id);
+	values[1] = TimestampTzGetDatum(expired_from);
+	values[2] = TimestampTzGetDatum(expired_to);
+	values[3] = TimestampTzGetDatum(now);
+	values[4] = Int64GetDatum(n);
+	values[5] = Int64GetDatum(capacity);
+	values[6] = PointerGetDatum(bloom);
+	idem_spi_exec("INSERT INTO idempotency.late_summaries AS s"
+				  " (id, expired_from, expired_to, last_drop, nkeys, capacity, bloom)"
+				  " VALUES ($1, $2, $3, $4, $5, $6, $7)"
+				  " ON CONFLICT (id) DO UPDATE SET bloom = excluded.bloom, nkeys = s.nkeys + excluded.nkeys,"
+				  " expired_from = LEAST(s.expired_from, excluded.expired_from),"
+				  " expired_to = GREATEST(s.expired_to, excluded.expired_to),"
+				  " last_drop = GREATEST(s.last_drop, excluded.last_drop)",
+				  7, types, values, SPI_OK_INSERT);
+	values[0] = Int32GetDatum(id - IDEM_LATE_MAX_SUMMARIES);
+	idem_spi_exec("DELETE FROM idempotency.late_summaries WHERE id <= $1",
+				  1, types, values, SPI_OK_DELETE);
 	pfree(hashes);
 }
 

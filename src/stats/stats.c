@@ -24,8 +24,10 @@
  * at commit -- a deferred constraint, a serialization failure -- publishes
  * nothing).  A prepared transaction publishes when it is prepared: no hook
  * of an extension runs at COMMIT PREPARED, and it almost always commits.
- * Payload mismatches, request conflicts, stale and invalid guarded writes
- * count at once, although their error (or the caller) may roll the
+ * Late duplicates count what committed too, except those refused (IK008),
+ * which count at once (idem_stats_count_scope_now()), as do payload
+ * mismatches, request conflicts, stale and invalid guarded writes: they count
+ * at once, although their error (or the caller) may roll the
  * transaction back: the event happened, and for the errors the transaction
  * always fails.  With idempotency.stats_sandbox = on (idem_check_replay()
  * sets it for its call, and the GUC machinery puts it back, on error too)
