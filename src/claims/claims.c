@@ -702,7 +702,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		if (res.status == PROBE_ABSENT)
 		{
 			/* a new key: was it claimed before, and dropped? (late.c) */
-			is_late = idem_late_lookup(ck->hash, &late);
+			is_late = idem_late_lookup(ck->hash, now, &late);
 			if (is_late && idem_late_refuses())
 			{
 				LockRelease(&tag, ExclusiveLock, false);
@@ -970,7 +970,7 @@ idem_claimed_before(PG_FUNCTION_ARGS)
 	idem_capability_require("idem_claimed_before", IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE,
 							text_to_cstring(ck.scope));
 	AcceptInvalidationMessages();
-	if (!idem_late_lookup(ck.hash, &late))
+	if (!idem_late_lookup(ck.hash, idem_now(), &late))
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(late.expired_to);
 }

@@ -182,33 +182,44 @@ bloom_bit(uint64 hash, int i, uint32 nbits)
  * block share all their bits with a probability (about 1 in 10 000 at 25
  * keys a block) far above what a summary is sized for.
  */
-static inline uint32
-summary_bit(uint64 hash, int i, uint32 nbits)
+static inline uint64
+summary_word(uint64 hash, int i)
 {
-	uint32		nblocks = nbits / IDEM_BLOOM_BLOCK_BITS;
-	uint32		block = (uint32) hash % nblocks;
 	uint64		z = hash + (uint64) (i / 7 + 1) * UINT64CONST(0x9E3779B97F4A7C15);
 
 	z = (z ^ (z >> 30)) * UINT64CONST(0xBF58476D1CE4E5B9);
 	z = (z ^ (z >> 27)) * UINT64CONST(0x94D049BB133111EB);
-	z ^= z >> 31;
-	return block * IDEM_BLOOM_BLOCK_BITS + (uint32) ((z >> (9 * (i % 7))) & (IDEM_BLOOM_BLOCK_BITS - 1));
+	return z ^ (z >> 31);
 }
 
+/* Position i of a key in its block; *w carries the word between calls. */
 static inline uint32
-filter_bit(uint64 hash, int i, uint32 nbits, bool summary)
+summary_pos(uint64 hash, int i, uint64 *w)
 {
-	return summary ? summary_bit(hash, i, nbits) : bloom_bit(hash, i, nbits);
+	if (i % 7 == 0)
+		*w = summary_word(hash, i);
+	return (uint32) ((*w >> (9 * (i % 7))) & (IDEM_BLOOM_BLOCK_BITS - 1));
+}
+
+/* Bit i of a key (i = 0, 1, ... in turn: *w carries what a summary's needs) */
+static inline uint32
+filter_bit(uint64 hash, int i, uint32 nbits, bool summary, uint64 *w)
+{
+	if (!summary)
+		return bloom_bit(hash, i, nbits);
+	return ((uint32) hash % (nbits / IDEM_BLOOM_BLOCK_BITS)) * IDEM_BLOOM_BLOCK_BITS +
+		summary_pos(hash, i, w);
 }
 
 static void
 bloom_add(uint8 *bits, uint32 nbits, uint64 hash, bool summary)
 {
 	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+	uint64		w = 0;
 
 	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = filter_bit(hash, i, nbits, summary);
+		uint32		b = filter_bit(hash, i, nbits, summary, &w);
 
 		bits[b / 8] |= (uint8) (1 << (b % 8));
 	}
@@ -219,10 +230,11 @@ static bool
 bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash, bool summary)
 {
 	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+	uint64		w = 0;
 
 	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = filter_bit(hash, i, nbits, summary);
+		uint32		b = filter_bit(hash, i, nbits, summary, &w);
 
 		if ((bits[b / 8] & (1 << (b % 8))) == 0)
 			return false;
@@ -501,6 +513,7 @@ summary_slice_test(IdemPartition *p, uint64 hash)
 	bytea	   *slice;
 	const uint8 *block;
 	uint32		b0;
+	uint64		w = 0;
 
 	if (p->filter_nbits == 0)
 	{
@@ -531,7 +544,7 @@ summary_slice_test(IdemPartition *p, uint64 hash)
 	block = (const uint8 *) VARDATA_ANY(slice);
 	for (int i = 0; i < IDEM_SUMMARY_HASHES; i++)
 	{
-		uint32		b = summary_bit(hash, i, p->filter_nbits) - b0;
+		uint32		b = summary_pos(hash, i, &w);
 
 		if ((block[b / 8] & (1 << (b % 8))) == 0)
 		{

@@ -204,14 +204,15 @@ late_build(void)
 }
 
 /*
- * Is the key with this hash probably in a summary within the window?  Then
- * *m says when its earlier claim expired (the most recent summary that
- * holds it).  The caller has accepted invalidations (idem_partition_set()).
+ * Is the key with this hash probably in a summary within the window at
+ * "now"?  Then *m says when its earlier claim expired (the most recent
+ * summary that holds it).  The caller has accepted invalidations
+ * (idem_partition_set()).
  */
 bool
-idem_late_lookup(uint64 hash, IdemLateMatch *m)
+idem_late_lookup(uint64 hash, TimestampTz now, IdemLateMatch *m)
 {
-	TimestampTz now;
+	TimestampTz since;
 
 	if (idem_late_window_secs == 0)
 		return false;
@@ -219,10 +220,13 @@ idem_late_lookup(uint64 hash, IdemLateMatch *m)
 		late_build();
 	if (late_n == 0)
 		return false;
-	now = idem_now();
+	since = now - window_usecs();
+	/* the blocks of all summaries load at once, not one after the other */
+	for (int i = 0; i < late_n; i++)
+		idem_filter_prefetch(&late_parts[i], hash);
 	for (int i = 0; i < late_n; i++)
 	{
-		if (late_times[i].last_drop <= now - window_usecs())
+		if (late_times[i].last_drop <= since)
 			continue;			/* past the window; maintenance deletes it */
 		if (idem_filter_summary_maybe(&late_parts[i], hash))
 		{
@@ -351,6 +355,7 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 
 	if (idem_late_window_secs == 0 || !OidIsValid(summaries_relid()))
 		return;
+	expired_from = Min(expired_from, expired_to);	/* whatever the settings did */
 	hashes = partition_hashes(part, &n);
 	if (n == 0)
 		return;

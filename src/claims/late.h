@@ -40,7 +40,7 @@ typedef struct IdemLateMatch
 	TimestampTz expired_to;
 } IdemLateMatch;
 
-extern bool idem_late_lookup(uint64 hash, IdemLateMatch *m);
+extern bool idem_late_lookup(uint64 hash, TimestampTz now, IdemLateMatch *m);
 extern bool idem_late_refuses(void);
 extern void idem_late_refuse(text *scope, text *key, const IdemLateMatch *m) pg_attribute_noreturn();
 extern void idem_late_claimed(text *scope, text *key, const IdemLateMatch *m);

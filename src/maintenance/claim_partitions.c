@@ -39,7 +39,9 @@
  *	  AccessExclusiveLock is taken conditionally all the same (a reader of
  *	  idempotency.claims, or a transaction that probed the partition before
  *	  it expired, may hold a lock), and a busy partition waits for a
- *	  later round: claimers never queue behind a drop.
+ *	  later round: claimers never queue behind a drop.  Under that lock,
+ *	  before the drop, a heap scan adds the partition's keys to a
+ *	  late-duplicate summary (claims/late.c), in the drop's subtransaction.
  *	- Changing partition_interval seals (or closes) the premade partitions
  *	  of the old width (empty ones are then dropped like any empty sealed
  *	  partition) instead of dropping them outright, so a claim that a stale

@@ -20,7 +20,9 @@
 #
 # Needs test/bench/run (it exports IDEM_DATA/IDEM_BINDIR for the restart).
 # Settings: IDEM_BENCH_LATE_SUMMARIES, IDEM_BENCH_LATE_MODES (default
-# "local preloaded"); rounds, seconds and clients from lib.sh.
+# "local preloaded"), IDEM_BENCH_LATE_CASES (the pgbench cases, default
+# "new dup conn many"; cpu is always measured); rounds, seconds and
+# clients from lib.sh.
 set -euo pipefail
 
 dir=$(cd "$(dirname "$0")" && pwd)
@@ -80,9 +82,12 @@ for mode in $MODES; do
     # with idem_claimed_before), off and on alternately in one session
     for what in claim lookup; do
         n=$([[ $what == claim ]] && echo 100000 || echo 1000000)
+        # off first in odd rounds, on first in even ones: claims pile up in
+        # the current partition, so later runs cost a little more
         cpu=$(for r in $(seq "$ROUNDS"); do
-            echo "SET idempotency.late_duplicate_window = 0; SELECT 'off', bench_late_us('$what', $n);"
-            echo "RESET idempotency.late_duplicate_window; SELECT 'on', bench_late_us('$what', $n);"
+            off_sql="SET idempotency.late_duplicate_window = 0; SELECT 'off', bench_late_us('$what', $n);"
+            on_sql="RESET idempotency.late_duplicate_window; SELECT 'on', bench_late_us('$what', $n);"
+            if ((r % 2)); then echo "$off_sql"; echo "$on_sql"; else echo "$on_sql"; echo "$off_sql"; fi
         done | psql -X -q -At -F ' ' -v ON_ERROR_STOP=1)
         read -r -a uoff <<<"$(awk '$1 == "off" { printf "%s ", $2 }' <<<"$cpu")"
         read -r -a uon <<<"$(awk '$1 == "on" { printf "%s ", $2 }' <<<"$cpu")"
@@ -91,7 +96,7 @@ for mode in $MODES; do
             -v on="$(bench_median "${uon[@]}")" -v off="$(bench_median "${uoff[@]}")" \
             'BEGIN { printf "%s: window on %.3f us vs window off %.3f us = %.3fx (%+.3f us)\n", l, on, off, off / on, on - off }'
     done
-    for case in new dup conn many; do
+    for case in ${IDEM_BENCH_LATE_CASES:-new dup conn many}; do
         script=claims_${case/conn/new}_idem.sql
         extra=()
         [[ $case == conn ]] && extra=(-C)
