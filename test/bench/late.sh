@@ -12,7 +12,7 @@
 # new keys: without preload a connection reads only the blocks it tests
 # until it has checked 64 times), idem_claim_many of 1000 new keys, and
 # "cpu": the CPU time of one backend claiming 100 000 new keys in one
-# statement, window off and on alternately in the same session (the least
+# statement (one by one, and with idem_claim_many in batches of 1000), window off and on alternately in the same session (the least
 # noisy figure on a shared machine, read from /proc/self/stat; the ratio is
 # time off / time on), and "lookup": the CPU time of idem_claimed_before()
 # over a million fresh keys, window off and on (what the check itself costs
@@ -58,6 +58,11 @@ DECLARE
 BEGIN
     IF what = 'claim' THEN
         PERFORM idem_claim((base + g)::text) FROM generate_series(1, n) g;
+    ELSIF what = 'many' THEN
+        -- n keys in batches of 1000
+        PERFORM (SELECT count(*) FROM idem_claim_many(ARRAY(SELECT (base + b * 1000 + g)::text
+                                                             FROM generate_series(1, 1000) g)))
+           FROM generate_series(0, n / 1000 - 1) b;
     ELSE
         PERFORM idem_claimed_before((base + g)::text) FROM generate_series(1, n) g;
     END IF;
@@ -80,8 +85,8 @@ for mode in $MODES; do
     esac
     # cpu: CPU microseconds per new claim (and per look-up of a fresh key
     # with idem_claimed_before), off and on alternately in one session
-    for what in claim lookup; do
-        n=$([[ $what == claim ]] && echo 100000 || echo 1000000)
+    for what in claim many lookup; do
+        n=$([[ $what == lookup ]] && echo 1000000 || echo 100000)
         # off first in odd rounds, on first in even ones: claims pile up in
         # the current partition, so later runs cost a little more
         cpu=$(for r in $(seq "$ROUNDS"); do
