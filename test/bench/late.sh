@@ -21,7 +21,7 @@
 # Needs test/bench/run (it exports IDEM_DATA/IDEM_BINDIR for the restart).
 # Settings: IDEM_BENCH_LATE_SUMMARIES, IDEM_BENCH_LATE_MODES (default
 # "local preloaded"), IDEM_BENCH_LATE_CASES (the pgbench cases, default
-# "new dup conn many"; cpu is always measured); rounds, seconds and
+# "new dup conn many"; empty: none; cpu is always measured); rounds, seconds and
 # clients from lib.sh.
 set -euo pipefail
 
@@ -101,7 +101,7 @@ for mode in $MODES; do
             -v on="$(bench_median "${uon[@]}")" -v off="$(bench_median "${uoff[@]}")" \
             'BEGIN { printf "%s: window on %.3f us vs window off %.3f us = %.3fx (%+.3f us)\n", l, on, off, off / on, on - off }'
     done
-    for case in ${IDEM_BENCH_LATE_CASES:-new dup conn many}; do
+    for case in ${IDEM_BENCH_LATE_CASES-new dup conn many}; do
         script=claims_${case/conn/new}_idem.sql
         extra=()
         [[ $case == conn ]] && extra=(-C)
