@@ -499,13 +499,32 @@ read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
 }
 
 /*
+ * The bits a stored filter (a summary's, with a header) has, from its size
+ * alone: what its raw datum, still toasted, says; 0 if that is no size a
+ * filter has.
+ */
+uint32
+idem_filter_stored_nbits(Datum raw)
+{
+	Size		len = toast_raw_datum_size(raw);
+
+	if (len < VARHDRSZ + sizeof(FilterHeader) ||
+		(len - VARHDRSZ - sizeof(FilterHeader)) * 8 > IDEM_FILTER_MAX_BITS ||
+		((len - VARHDRSZ - sizeof(FilterHeader)) * 8) % IDEM_BLOOM_BLOCK_BITS != 0)
+		return 0;
+	return (uint32) ((len - VARHDRSZ - sizeof(FilterHeader)) * 8);
+}
+
+/*
  * Test a summary's filter by reading only the block the key's bits lie in
  * (and, once, the header) from its table: what a backend without the
  * shared area does until it has checked often enough to repay loading the
  * whole filter (IDEM_LOCAL_LOAD_AFTER), so that a short-lived connection
  * does not read every summary.  The table stores the filter uncompressed
- * (sql/tables/10_late.sql), so a slice reads one TOAST chunk or two.  The
- * CRC, which covers all bits, is not checked here.
+ * (sql/tables/10_late.sql), so a slice reads one TOAST chunk or two; its
+ * size is known from the list of summaries (idem_filter_stored_nbits()),
+ * else the header is read once.  The CRC, which covers all bits, is not
+ * checked here.
  */
 static FilterAnswer
 summary_slice_test(IdemPartition *p, uint64 hash)

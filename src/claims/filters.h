@@ -35,6 +35,7 @@ extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern bytea *idem_filter_new(uint64 nbits);
 extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n);
 extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash);
+extern uint32 idem_filter_stored_nbits(Datum raw);
 extern void idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts,
 										 bool shared);
 extern void idem_filters_init(void);

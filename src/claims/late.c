@@ -155,6 +155,8 @@ read_summaries(Relation rel, Snapshot snap, MemoryContext cxt, IdemPartition **p
 		p->filter_source = RelationGetRelid(rel);
 		p->has_filter = true;
 		p->sealed = true;
+		/* its size, so that a look at one block need not read the header */
+		p->filter_nbits = idem_filter_stored_nbits(heap_getattr(tup, Anum_late_bloom, desc, &isnull));
 		t->expired_from = DatumGetTimestampTz(heap_getattr(tup, Anum_late_expired_from, desc, &isnull));
 		t->expired_to = DatumGetTimestampTz(heap_getattr(tup, Anum_late_expired_to, desc, &isnull));
 		t->last_drop = DatumGetTimestampTz(heap_getattr(tup, Anum_late_last_drop, desc, &isnull));

@@ -20,8 +20,12 @@
 #define IDEM_LATE_BITS_PER_KEY	20
 /* Fewest keys a summary is sized for. */
 #define IDEM_LATE_MIN_CAPACITY	1024
-/* The window is cut into this many buckets; a bucket's drops share summaries. */
-#define IDEM_LATE_BUCKETS		4
+/*
+ * The window is cut into this many buckets; a bucket's drops share
+ * summaries.  Fewer buckets: fewer summaries for a new key to test (3 in a
+ * steady state), kept up to a bucket (half a window) longer.
+ */
+#define IDEM_LATE_BUCKETS		2
 /* Most summaries kept; beyond, the oldest go first (the window shortens). */
 #define IDEM_LATE_MAX_SUMMARIES	16
 

@@ -3,7 +3,7 @@
 # idem_claim scripts as the claims bench (claims_new_idem.sql,
 # claims_dup_idem.sql), with idempotency.late_duplicate_window 0 (off: the
 # baseline) against the default 30 days (on: the candidate), beside
-# IDEM_BENCH_LATE_SUMMARIES summaries (default 5: four full buckets and the
+# IDEM_BENCH_LATE_SUMMARIES summaries (default 3: two full buckets and the
 # current one, the steady state; 16 is the most there can be) of 200 000
 # keys each, made by real drops (bench_late_summaries).  Interleaved rounds
 # in one run, without and with shared_preload_libraries = 'idempotency'
@@ -28,7 +28,7 @@ set -euo pipefail
 dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
-NSUM=${IDEM_BENCH_LATE_SUMMARIES:-5}
+NSUM=${IDEM_BENCH_LATE_SUMMARIES:-3}
 MODES=${IDEM_BENCH_LATE_MODES:-local preloaded}
 DB=idem_bench_late
 preloaded=0

@@ -42,7 +42,7 @@
 #               ON CONFLICT DO NOTHING RETURNING key, new and duplicate keys
 #   9 late      new keys, ours with idempotency.late_duplicate_window at its
 #               default (on) against ours with it 0 (off, the baseline here):
-#               what late-duplicate detection costs beside 5 summaries of
+#               what late-duplicate detection costs beside 3 summaries of
 #               200 000 keys each (bench_late_summaries, made after the
 #               shape is built; every other case runs beside them too, with
 #               the window on, as by default)
@@ -299,7 +299,7 @@ for s in $SHAPES; do
         c) build_shape c $((30 * DAY)) 3600 0 $((30 * DAY)) ;;
         *) echo "unknown shape '$s' (a, b or c)" >&2; exit 1 ;;
     esac
-    bench_late_summaries "idem_scale_$s" 5 200000
+    bench_late_summaries "idem_scale_$s" 3 200000
 done
 
 for mode in $MODES; do
