@@ -10,6 +10,7 @@
 #include "idempotency.h"
 
 #include "claims/filters.h"
+#include "claims/late.h"
 #include "claims/partitions.h"
 #include "common/clock.h"
 #include "delivery/delivery.h"
@@ -29,6 +30,7 @@ _PG_init(void)
 	idem_clock_init();
 	idem_partitions_init();
 	idem_filters_init();
+	idem_late_init();
 	idem_stats_init();
 	idem_guards_init();
 	idem_guard_helpers_init();

@@ -38,6 +38,7 @@
 #define ERRCODE_IDEM_INVALID_TRANSITION	MAKE_SQLSTATE('I','K','0','0','5')
 #define ERRCODE_IDEM_WRONG_SHARD		MAKE_SQLSTATE('I','K','0','0','6')
 #define ERRCODE_IDEM_SHARD_FROZEN		MAKE_SQLSTATE('I','K','0','0','7')
+#define ERRCODE_IDEM_LATE_DUPLICATE		MAKE_SQLSTATE('I','K','0','0','8')
 
 /* Longest key and scope stored as they are (a btree tuple must fit). */
 #define IDEM_MAX_KEY_BYTES		2000

@@ -40,6 +40,10 @@ CREATE OR REPLACE FUNCTION idem_claimed(key text, scope text DEFAULT 'default')
     RETURNS timestamptz
     AS 'MODULE_PATHNAME', 'idem_claimed' LANGUAGE C STABLE PARALLEL RESTRICTED;
 
+CREATE OR REPLACE FUNCTION idem_claimed_before(key text, scope text DEFAULT 'default')
+    RETURNS timestamptz
+    AS 'MODULE_PATHNAME', 'idem_claimed_before' LANGUAGE C STABLE PARALLEL RESTRICTED;
+
 CREATE OR REPLACE FUNCTION idem_release(key text, scope text DEFAULT 'default')
     RETURNS boolean
     AS 'MODULE_PATHNAME', 'idem_release' LANGUAGE C VOLATILE PARALLEL UNSAFE;
@@ -50,5 +54,20 @@ COMMENT ON FUNCTION idem_claim_many(text[], text) IS
     'claim a batch of keys; returns the keys this call newly claimed, in input order';
 COMMENT ON FUNCTION idem_claimed(text, text) IS
     'when (scope, key) was claimed, or NULL';
+COMMENT ON FUNCTION idem_claimed_before(text, text) IS
+    'if (scope, key) was probably claimed before and its claim expired (a summary of dropped partitions): by when it had expired; else NULL';
 COMMENT ON FUNCTION idem_release(text, text) IS
     'forget the claim on (scope, key) so it can be processed again';
+
+-- Late duplicates: the summaries of dropped partitions (the table is in
+-- sql/tables/10_late.sql; src/claims/late.c).  Every backend's list of them
+-- is dropped when maintenance changes them (sql/functions/00_schema.sql
+-- describes the trigger).
+COMMENT ON TABLE idempotency.late_summaries IS
+    'Bloom filters of the keys of dropped claims partitions, kept for idempotency.late_duplicate_window (written by maintenance)';
+REVOKE ALL ON idempotency.late_summaries FROM PUBLIC;
+
+CREATE OR REPLACE TRIGGER late_summaries_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.late_summaries
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.late_summaries ENABLE ALWAYS TRIGGER late_summaries_changed;

@@ -202,13 +202,13 @@ BEGIN
        OR EXISTS (SELECT 1 FROM pg_catalog.pg_class r WHERE r.oid = c.relation)
     UNION ALL
     -- guarded tables nothing was counted for: zeros, or NULL without preload
-    SELECT NULL, g.relation, z, z, z, z, z, z, z, z, z, NULL, NULL
+    SELECT NULL, g.relation, z, z, z, z, z, z, z, z, z, z, NULL, NULL
     FROM g, LATERAL (SELECT CASE WHEN preloaded THEN 0::bigint END AS z) zero
     WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.relation = g.relation)
     UNION ALL
     -- without preload: the scopes the tables know
     SELECT k.scope, NULL, k.claims, NULL, NULL, NULL, NULL, NULL,
-           (requests -> k.scope ->> 0)::bigint, (requests -> k.scope ->> 1)::bigint, NULL,
+           (requests -> k.scope ->> 0)::bigint, (requests -> k.scope ->> 1)::bigint, NULL, NULL,
            k.last_claim_at, NULL
     FROM idempotency.consumers k
     WHERE NOT preloaded;
@@ -222,7 +222,9 @@ COMMENT ON FUNCTION idempotency.stats_rows() IS
 -- live subscriptions, the oldest age among them), and the
 -- overflow row (both NULL) once scopes exceeded idempotency.stats_max_scopes.
 -- An inbox source's backlog joins its claims' row ('inbox:<source>').  The
--- columns of SPEC section 6 come first, in its order; the inbox's follow.
+-- columns of SPEC section 6 come first, in its order; the inbox's follow,
+-- then late_duplicates (SPEC section 2: new claims of keys probably claimed
+-- before whose claim had expired, src/claims/late.c).
 CREATE OR REPLACE VIEW idempotency.stats AS
 SELECT coalesce(r.scope, o.scope, i.scope) AS scope,
        r.relation,
@@ -236,7 +238,8 @@ SELECT coalesce(r.scope, o.scope, i.scope) AS scope,
        n.stats_reset,
        i.pending AS inbox_pending,
        i.dead AS inbox_dead,
-       i.oldest_pending_age AS inbox_oldest_pending_age
+       i.oldest_pending_age AS inbox_oldest_pending_age,
+       r.late_duplicates
 FROM idempotency.stats_rows() r
 FULL JOIN (SELECT ('outbox:' || b.aggregate_type) COLLATE "C" AS scope,
                   sum(b.pending)::bigint AS pending, sum(b.dead)::bigint AS dead,
@@ -246,7 +249,7 @@ FULL JOIN (SELECT ('inbox:' || b.source) COLLATE "C" AS scope, b.*
            FROM idempotency.inbox_backlog b) i ON coalesce(r.scope, o.scope) COLLATE "C" = i.scope
 CROSS JOIN idempotency.stats_info() n;
 COMMENT ON VIEW idempotency.stats IS
-    'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog';
+    'claims, duplicates, mismatches, releases per scope; stale and invalid writes per guarded table; requests; outbox backlog; late duplicates';
 
 -- Who reads: members of pg_monitor (with USAGE on schema idempotency), or
 -- roles granted the same rights.  The functions stay closed to PUBLIC:

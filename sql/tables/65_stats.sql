@@ -8,6 +8,7 @@ CREATE TYPE idempotency.stats_row AS (
     claims bigint, duplicates bigint, payload_mismatches bigint,
     releases bigint, stale_skips bigint, invalid_transitions bigint,
     requests_started bigint, requests_completed bigint, requests_conflicted bigint,
+    late_duplicates bigint,
     last_claim_at timestamptz, last_duplicate_at timestamptz);
 
 -- Per scope: what the claims of the partitions sealed so far held.  The

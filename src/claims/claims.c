@@ -19,7 +19,10 @@
  *	   (scope, key) in a private advisory locktag space, look again in the
  *	   partitions not sealed yet (all of them, filters included, if the
  *	   partition list changed since step 1), insert into the partition that
- *	   covers the current time, and release the value lock at once.
+ *	   covers the current time, and release the value lock at once.  A key
+ *	   found nowhere is first looked up in the summaries of dropped
+ *	   partitions (late.c): a late duplicate is counted, warned about, or
+ *	   refused (IK008, after the value lock is released) before the insert.
  *
  * Every probe uses a dirty snapshot: a committed (or our own) claim means
  * "duplicate"; a claim of a transaction still in progress means: release
@@ -62,6 +65,7 @@
 #include "stats/stats.h"
 #include "claims/partitions.h"
 #include "claims/filters.h"
+#include "claims/late.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"
@@ -91,6 +95,7 @@
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/fmgrprotos.h"
+#include "utils/inval.h"
 #include "utils/jsonb.h"
 #include "utils/rel.h"
 #include "utils/numeric.h"
@@ -101,6 +106,7 @@
 PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_claim_many);
 PG_FUNCTION_INFO_V1(idem_claimed);
+PG_FUNCTION_INFO_V1(idem_claimed_before);
 PG_FUNCTION_INFO_V1(idem_release);
 
 
@@ -645,6 +651,8 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		bool		covers;
 		InsertResult ins = INSERT_CHANGED;
 		Oid			target_relid;
+		IdemLateMatch late;
+		bool		is_late = false;
 
 		/*
 		 * 1. without the value lock: a committed claim is final.  A batch
@@ -692,12 +700,23 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		generation = set->generation;
 		target_relid = target->relid;
 		if (res.status == PROBE_ABSENT)
+		{
+			/* a new key: was it claimed before, and dropped? (late.c) */
+			is_late = idem_late_lookup(ck->hash, now, &late);
+			if (is_late && idem_late_refuses())
+			{
+				LockRelease(&tag, ExclusiveLock, false);
+				idem_late_refuse(ck->scope, ck->key, &late);
+			}
 			ins = insert_claim(call, target, generation, ck, now);
+		}
 		LockRelease(&tag, ExclusiveLock, false);
 
 		if (ins == INSERT_DONE)
 		{
 			idem_stats_count_scope(ck->scope, IDEM_STAT_CLAIMS, 1);
+			if (is_late)
+				idem_late_claimed(ck->scope, ck->key, &late);
 			return true;
 		}
 		if (res.status == PROBE_BUSY)
@@ -932,6 +951,28 @@ idem_claimed(PG_FUNCTION_ARGS)
 	if (res.status != PROBE_FOUND)
 		PG_RETURN_NULL();
 	PG_RETURN_TIMESTAMPTZ(res.claimed_at);
+}
+
+/*
+ * idem_claimed_before(key text, scope text = 'default'): if (scope, key) is
+ * probably in a summary of dropped partitions within the late-duplicate
+ * window, the latest time its earlier claim expired; else NULL (also with
+ * the window off).  Whether the key is claimed now is idem_claimed()'s
+ * business.
+ */
+Datum
+idem_claimed_before(PG_FUNCTION_ARGS)
+{
+	ClaimKey	ck;
+	IdemLateMatch late;
+
+	claim_key_args(fcinfo, 0, &ck);
+	idem_capability_require("idem_claimed_before", IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE,
+							text_to_cstring(ck.scope));
+	AcceptInvalidationMessages();
+	if (!idem_late_lookup(ck.hash, idem_now(), &late))
+		PG_RETURN_NULL();
+	PG_RETURN_TIMESTAMPTZ(late.expired_to);
 }
 
 /*

@@ -23,6 +23,11 @@
  * A filter that does not fit is not loaded, and its partition is probed
  * through its index instead; filter_status() reports it.
  *
+ * The summaries of dropped partitions (late.c) are Bloom filters of the
+ * same kind, with more bits per key, stored in idempotency.late_summaries
+ * and held in the same two places, named by (that table, summary id, row
+ * xmin); one that cannot be held is not tested (late.c says so).
+ *
  * Locking rules: the shared area's directory is protected by one LWLock,
  * taken shared to find a filter and exclusive to add or remove one.
  * Claimers test bits without any lock: each backend remembers where it found
@@ -41,6 +46,7 @@
 
 #include <limits.h>
 
+#include "access/detoast.h"
 #include "access/heapam.h"
 #include "access/htup_details.h"
 #include "access/subtrans.h"
@@ -78,6 +84,14 @@ typedef struct FilterHeader
 
 #define IDEM_FILTER_MAX_BITS	((uint32) 0xFFFFFE00)
 
+typedef enum FilterAnswer
+{
+	FILTER_NO,					/* certainly not among its keys */
+	FILTER_MAYBE,
+	FILTER_UNKNOWN				/* no valid filter at hand */
+} FilterAnswer;
+
+
 /*
  * Without the shared area, a backend loads a partition's filter only after
  * it has looked at the partition this often: a short-lived connection would
@@ -100,6 +114,7 @@ static int	idem_local_filter_memory_kb = LOCAL_FILTER_MEMORY_KB_DEFAULT;
 typedef struct FilterEntry
 {
 	Oid			dboid;			/* InvalidOid: a free slot */
+	Oid			source;			/* IdemPartition.filter_source */
 	Oid			relid;
 	TransactionId xmin;			/* of the registry row that held it */
 	uint32		nbits;
@@ -126,6 +141,7 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 /*---- the backend-local store (library not preloaded) ----*/
 typedef struct LocalFilterKey
 {
+	Oid			source;
 	Oid			relid;
 	TransactionId xmin;
 } LocalFilterKey;
@@ -143,6 +159,11 @@ static uint64 local_refused = 0;
 
 /*---- Bloom filter arithmetic ----*/
 
+/*
+ * The bits of a key in a partition's filter: a block chosen by the low 32
+ * bits of its hash, IDEM_BLOOM_HASHES positions in it by double hashing of
+ * the high 32 bits (the stored format since 1.0).
+ */
 static inline uint32
 bloom_bit(uint64 hash, int i, uint32 nbits)
 {
@@ -154,12 +175,51 @@ bloom_bit(uint64 hash, int i, uint32 nbits)
 	return block * IDEM_BLOOM_BLOCK_BITS + ((h2 + (uint32) i * h3) % IDEM_BLOOM_BLOCK_BITS);
 }
 
-static void
-bloom_add(uint8 *bits, uint32 nbits, uint64 hash)
+/*
+ * In a summary's filter, the same block, and IDEM_SUMMARY_HASHES positions
+ * of 9 independent bits each, drawn from splitmix64 of the hash: double
+ * hashing in a 512-bit block has only 2^17 patterns, so two keys of a
+ * block share all their bits with a probability (about 1 in 10 000 at 25
+ * keys a block) far above what a summary is sized for.
+ */
+static inline uint64
+summary_word(uint64 hash, int i)
 {
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	uint64		z = hash + (uint64) (i / 7 + 1) * UINT64CONST(0x9E3779B97F4A7C15);
+
+	z = (z ^ (z >> 30)) * UINT64CONST(0xBF58476D1CE4E5B9);
+	z = (z ^ (z >> 27)) * UINT64CONST(0x94D049BB133111EB);
+	return z ^ (z >> 31);
+}
+
+/* Position i of a key in its block; *w carries the word between calls. */
+static inline uint32
+summary_pos(uint64 hash, int i, uint64 *w)
+{
+	if (i % 7 == 0)
+		*w = summary_word(hash, i);
+	return (uint32) ((*w >> (9 * (i % 7))) & (IDEM_BLOOM_BLOCK_BITS - 1));
+}
+
+/* Bit i of a key (i = 0, 1, ... in turn: *w carries what a summary's needs) */
+static inline uint32
+filter_bit(uint64 hash, int i, uint32 nbits, bool summary, uint64 *w)
+{
+	if (!summary)
+		return bloom_bit(hash, i, nbits);
+	return ((uint32) hash % (nbits / IDEM_BLOOM_BLOCK_BITS)) * IDEM_BLOOM_BLOCK_BITS +
+		summary_pos(hash, i, w);
+}
+
+static void
+bloom_add(uint8 *bits, uint32 nbits, uint64 hash, bool summary)
+{
+	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+	uint64		w = 0;
+
+	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = bloom_bit(hash, i, nbits);
+		uint32		b = filter_bit(hash, i, nbits, summary, &w);
 
 		bits[b / 8] |= (uint8) (1 << (b % 8));
 	}
@@ -167,11 +227,14 @@ bloom_add(uint8 *bits, uint32 nbits, uint64 hash)
 
 /* False: the key is certainly not among those added. */
 static bool
-bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
+bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash, bool summary)
 {
-	for (int i = 0; i < IDEM_BLOOM_HASHES; i++)
+	int			nhashes = summary ? IDEM_SUMMARY_HASHES : IDEM_BLOOM_HASHES;
+	uint64		w = 0;
+
+	for (int i = 0; i < nhashes; i++)
 	{
-		uint32		b = bloom_bit(hash, i, nbits);
+		uint32		b = filter_bit(hash, i, nbits, summary, &w);
 
 		if ((bits[b / 8] & (1 << (b % 8))) == 0)
 			return false;
@@ -180,6 +243,17 @@ bloom_maybe(const uint8 *bits, uint32 nbits, uint64 hash)
 }
 
 /*---- building and validating ----*/
+
+static const uint8 *filter_bits(bytea *stored, uint32 *nbits);
+
+/* Record the CRC of the bits that follow a header. */
+static void
+filter_seal_crc(FilterHeader *hdr)
+{
+	INIT_CRC32C(hdr->crc);
+	COMP_CRC32C(hdr->crc, (uint8 *) (hdr + 1), hdr->nbits / 8);
+	FIN_CRC32C(hdr->crc);
+}
 
 /* The full id of a recent transaction (younger than our snapshots' xmin). */
 static FullTransactionId
@@ -287,17 +361,59 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
 		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
 
-		bloom_add(bits, nbits, idem_key_hash(scope, key));
+		bloom_add(bits, nbits, idem_key_hash(scope, key), false);
 	}
 	table_endscan(scan);
 
 	hdr->magic = IDEM_FILTER_MAGIC;
 	hdr->nbits = nbits;
 	hdr->nkeys = info->nkeys;
-	INIT_CRC32C(hdr->crc);
-	COMP_CRC32C(hdr->crc, bits, nbits / 8);
-	FIN_CRC32C(hdr->crc);
+	filter_seal_crc(hdr);
 	return result;
+}
+
+/*
+ * An empty stored filter of nbits bits (rounded up to whole blocks), for
+ * idem_filter_add_hashes().
+ */
+bytea *
+idem_filter_new(uint64 nbits64)
+{
+	uint32		nbits;
+	bytea	   *result;
+	FilterHeader *hdr;
+
+	nbits64 = (Max(nbits64, 1) + IDEM_BLOOM_BLOCK_BITS - 1) / IDEM_BLOOM_BLOCK_BITS * IDEM_BLOOM_BLOCK_BITS;
+	nbits = (uint32) Min(nbits64, (uint64) IDEM_FILTER_MAX_BITS);
+	result = palloc0(VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	SET_VARSIZE(result, VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
+	hdr = (FilterHeader *) VARDATA(result);
+	hdr->magic = IDEM_FILTER_MAGIC;
+	hdr->nbits = nbits;
+	filter_seal_crc(hdr);
+	return result;
+}
+
+/*
+ * Add keys (by their idem_key_hash()) to a summary's filter made by
+ * idem_filter_new(), in place.  False if the filter is damaged.
+ */
+bool
+idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n)
+{
+	FilterHeader *hdr = (FilterHeader *) VARDATA(stored);
+	uint8	   *bits;
+	uint32		nbits;
+
+	if (VARATT_IS_EXTENDED(stored) || filter_bits(stored, &nbits) == NULL ||
+		VARSIZE(stored) - VARHDRSZ < sizeof(FilterHeader) || hdr->magic != IDEM_FILTER_MAGIC)
+		return false;
+	bits = (uint8 *) (hdr + 1);
+	for (int64 i = 0; i < n; i++)
+		bloom_add(bits, nbits, hashes[i], true);
+	hdr->nkeys += n;
+	filter_seal_crc(hdr);
+	return true;
 }
 
 /*
@@ -336,14 +452,16 @@ filter_bits(bytea *stored, uint32 *nbits)
 }
 
 /*
- * Read a partition's filter from the registry, if the row that names it is
- * still the one this backend's cache was built from.  NULL: gone, changed
- * or damaged (a damaged one is reported).
+ * Read a partition's filter from the registry (a summary's from its table),
+ * if the row that names it is still the one this backend's cache was built
+ * from: length bytes from offset (of what follows the varlena header), or
+ * all of it when length is -1.  NULL: gone or changed.
  */
 static bytea *
-read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
+read_stored_slice(IdemPartitionSet *set, IdemPartition *p, int32 offset, int32 length)
 {
-	Relation	rel = table_open(set->registry_relid, AccessShareLock);
+	bool		late = OidIsValid(p->filter_source);
+	Relation	rel = table_open(late ? p->filter_source : set->registry_relid, AccessShareLock);
 	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
 	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
 	HeapTuple	tup;
@@ -353,20 +471,108 @@ read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
 	{
 		bool		isnull;
 		Datum		d;
+		Oid			id;
 
-		d = heap_getattr(tup, Anum_registry_relid, RelationGetDescr(rel), &isnull);
-		if (DatumGetObjectId(d) != p->relid ||
-			HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
+		/* a registry row names its partition; a summary's, its id */
+		d = heap_getattr(tup, late ? Anum_late_id : Anum_registry_relid, RelationGetDescr(rel), &isnull);
+		id = late ? (Oid) DatumGetInt32(d) : DatumGetObjectId(d);
+		if (id != p->relid || HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
 			continue;
-		d = heap_getattr(tup, Anum_registry_bloom, RelationGetDescr(rel), &isnull);
-		if (!isnull)
-			stored = DatumGetByteaPCopy(d);	/* a copy: the buffer is let go */
+		d = heap_getattr(tup, late ? Anum_late_bloom : Anum_registry_bloom, RelationGetDescr(rel), &isnull);
+		/* a copy either way: the buffer is let go */
+		if (!isnull && length < 0)
+			stored = DatumGetByteaPCopy(d);
+		else if (!isnull)
+			stored = (bytea *) detoast_attr_slice((struct varlena *) DatumGetPointer(d), offset, length);
 		break;
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snap);
 	table_close(rel, AccessShareLock);
 	return stored;
+}
+
+static bytea *
+read_stored_filter(IdemPartitionSet *set, IdemPartition *p)
+{
+	return read_stored_slice(set, p, 0, -1);
+}
+
+/*
+ * The bits a stored filter (a summary's, with a header) has, from its size
+ * alone: what its raw datum, still toasted, says; 0 if that is no size a
+ * filter has.
+ */
+uint32
+idem_filter_stored_nbits(Datum raw)
+{
+	Size		len = toast_raw_datum_size(raw);
+
+	if (len < VARHDRSZ + sizeof(FilterHeader) ||
+		(len - VARHDRSZ - sizeof(FilterHeader)) * 8 > IDEM_FILTER_MAX_BITS ||
+		((len - VARHDRSZ - sizeof(FilterHeader)) * 8) % IDEM_BLOOM_BLOCK_BITS != 0)
+		return 0;
+	return (uint32) ((len - VARHDRSZ - sizeof(FilterHeader)) * 8);
+}
+
+/*
+ * Test a summary's filter by reading only the block the key's bits lie in
+ * (and, once, the header) from its table: what a backend without the
+ * shared area does until it has checked often enough to repay loading the
+ * whole filter (IDEM_LOCAL_LOAD_AFTER), so that a short-lived connection
+ * does not read every summary.  The table stores the filter uncompressed
+ * (sql/tables/10_late.sql), so a slice reads one TOAST chunk or two; its
+ * size is known from the list of summaries (idem_filter_stored_nbits()),
+ * else the header is read once.  The CRC, which covers all bits, is not
+ * checked here.
+ */
+static FilterAnswer
+summary_slice_test(IdemPartition *p, uint64 hash)
+{
+	bytea	   *slice;
+	const uint8 *block;
+	uint32		b0;
+	uint64		w = 0;
+
+	if (p->filter_nbits == 0)
+	{
+		FilterHeader hdr;
+
+		slice = read_stored_slice(NULL, p, 0, sizeof(FilterHeader));
+		if (slice == NULL || VARSIZE_ANY_EXHDR(slice) != sizeof(FilterHeader))
+		{
+			p->filter_missing = true;
+			return FILTER_UNKNOWN;
+		}
+		memcpy(&hdr, VARDATA_ANY(slice), sizeof(FilterHeader));
+		pfree(slice);
+		if (hdr.magic != IDEM_FILTER_MAGIC || hdr.nbits == 0 || hdr.nbits % IDEM_BLOOM_BLOCK_BITS != 0)
+		{
+			p->filter_missing = true;
+			return FILTER_UNKNOWN;
+		}
+		p->filter_nbits = hdr.nbits;
+	}
+	b0 = ((uint32) hash % (p->filter_nbits / IDEM_BLOOM_BLOCK_BITS)) * IDEM_BLOOM_BLOCK_BITS;
+	slice = read_stored_slice(NULL, p, sizeof(FilterHeader) + b0 / 8, IDEM_BLOOM_BLOCK_BITS / 8);
+	if (slice == NULL || VARSIZE_ANY_EXHDR(slice) != IDEM_BLOOM_BLOCK_BITS / 8)
+	{
+		p->filter_missing = true;
+		return FILTER_UNKNOWN;
+	}
+	block = (const uint8 *) VARDATA_ANY(slice);
+	for (int i = 0; i < IDEM_SUMMARY_HASHES; i++)
+	{
+		uint32		b = summary_pos(hash, i, &w);
+
+		if ((block[b / 8] & (1 << (b % 8))) == 0)
+		{
+			pfree(slice);
+			return FILTER_NO;
+		}
+	}
+	pfree(slice);
+	return FILTER_MAYBE;
 }
 
 /*---- the shared area ----*/
@@ -408,13 +614,14 @@ filters_shmem_startup(void)
 }
 
 static FilterEntry *
-shared_find(Oid relid, TransactionId xmin)
+shared_find(IdemPartition *p)
 {
 	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
 	{
 		FilterEntry *e = &filter_area->entries[i];
 
-		if (e->dboid == MyDatabaseId && e->relid == relid && e->xmin == xmin)
+		if (e->dboid == MyDatabaseId && e->relid == p->relid && e->xmin == p->filter_xmin &&
+			e->source == p->filter_source)
 			return e;
 	}
 	return NULL;
@@ -463,7 +670,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	bool		ok = false;
 
 	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
-	if (shared_find(p->relid, p->filter_xmin) != NULL)
+	if (shared_find(p) != NULL)
 		ok = true;				/* another backend was quicker */
 	else if (shared_alloc(size, &offset))
 	{
@@ -473,6 +680,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 		if (e != NULL)
 		{
 			memcpy(filter_arena + offset, bits, nbits / 8);
+			e->source = p->filter_source;
 			e->relid = p->relid;
 			e->xmin = p->filter_xmin;
 			e->nbits = nbits;
@@ -488,7 +696,11 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	if (!ok)
 		filter_area->refused++;
 	LWLockRelease(filter_area->lock);
-	if (!ok)
+	if (!ok && OidIsValid(p->filter_source))
+		ereport(LOG,
+				(errmsg("no room for late-duplicate summary %u in idempotency.filter_memory", p->relid),
+				 errdetail("Late duplicates of the keys it holds are not detected; raise idempotency.filter_memory to avoid it.")));
+	else if (!ok)
 		ereport(LOG,
 				(errmsg("no room for the Bloom filter of claims partition %u in idempotency.filter_memory",
 						p->relid),
@@ -501,7 +713,7 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 static bool
 local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbits)
 {
-	LocalFilterKey key = {p->relid, p->filter_xmin};
+	LocalFilterKey key = {p->filter_source, p->relid, p->filter_xmin};
 	LocalFilter *lf;
 	bool		found;
 	Size		size = nbits / 8;
@@ -527,7 +739,12 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 		{
 			bool		listed = false;
 
-			for (int i = 0; i < set->nparts && !listed; i++)
+			/*
+			 * a summary's is kept (late.c forgets those it no longer lists),
+			 * and so is every partition's when a summary is loaded
+			 */
+			listed = OidIsValid(lf->key.source) || set == NULL;
+			for (int i = 0; !listed && i < set->nparts; i++)
 				listed = set->parts[i].relid == lf->key.relid &&
 					set->parts[i].filter_xmin == lf->key.xmin;
 			if (!listed)
@@ -581,7 +798,7 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 		FilterEntry *e;
 
 		LWLockAcquire(filter_area->lock, LW_SHARED);
-		e = shared_find(p->relid, p->filter_xmin);
+		e = shared_find(p);
 		if (e != NULL)
 		{
 			p->filter_bits = filter_arena + e->offset;
@@ -593,7 +810,7 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 	}
 	else if (local_filters != NULL)
 	{
-		LocalFilterKey key = {p->relid, p->filter_xmin};
+		LocalFilterKey key = {p->filter_source, p->relid, p->filter_xmin};
 		LocalFilter *lf = hash_search(local_filters, &key, HASH_FIND, NULL);
 
 		if (lf != NULL)
@@ -616,10 +833,15 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 	bits = filter_bits(stored, &nbits);
 	if (bits == NULL)
 	{
+		bool		late = OidIsValid(p->filter_source);
+
 		ereport(WARNING,
 				(errcode(ERRCODE_DATA_CORRUPTED),
+				 late ? errmsg("late-duplicate summary %u is damaged", p->relid) :
 				 errmsg("Bloom filter of claims partition %u is damaged", p->relid),
+				 late ? errdetail("Late duplicates of the keys it holds are not detected.") :
 				 errdetail("Claims look in the partition's index instead."),
+				 late ? errhint("Delete its row from idempotency.late_summaries.") :
 				 errhint("Run idem_maintain() after setting bloom to NULL in idempotency.partition_registry to rebuild it.")));
 		p->filter_missing = true;
 	}
@@ -646,6 +868,36 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 	}
 }
 
+/* Test p's filter, loading it first if need be (set: NULL for a summary). */
+static FilterAnswer
+filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
+{
+	for (;;)
+	{
+		uint64		epoch;
+		bool		maybe;
+
+		if (!p->has_filter || p->filter_missing)
+			return FILTER_UNKNOWN;
+		epoch = current_epoch();
+		if (p->filter_bits == NULL || p->filter_epoch != epoch)
+		{
+			resolve_filter(set, p);
+			if (p->filter_bits != NULL)
+				continue;
+			/* not in memory (yet): a summary's block is read from its table */
+			if (OidIsValid(p->filter_source) && filter_area == NULL && !p->filter_missing)
+				return summary_slice_test(p, hash);
+			return FILTER_UNKNOWN;
+		}
+		pg_read_barrier();
+		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash, OidIsValid(p->filter_source));
+		pg_read_barrier();
+		if (current_epoch() == epoch)
+			return maybe ? FILTER_MAYBE : FILTER_NO;
+	}
+}
+
 /*
  * May the key with this hash be in sealed partition p?  True when its
  * filter says so, and whenever no valid filter is at hand (then the caller
@@ -654,27 +906,17 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 bool
 idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 {
-	for (;;)
-	{
-		uint64		epoch;
-		bool		maybe;
+	return filter_test(set, p, hash) != FILTER_NO;
+}
 
-		if (!p->has_filter || p->filter_missing)
-			return true;
-		epoch = current_epoch();
-		if (p->filter_bits == NULL || p->filter_epoch != epoch)
-		{
-			resolve_filter(set, p);
-			if (p->filter_bits == NULL)
-				return true;	/* not in memory (yet): probe */
-			continue;
-		}
-		pg_read_barrier();
-		maybe = bloom_maybe(p->filter_bits, p->filter_nbits, hash);
-		pg_read_barrier();
-		if (current_epoch() == epoch)
-			return maybe;
-	}
+/*
+ * Does the filter of summary p (filter_source set; see late.c) say the key
+ * may be there?  False too when its filter is not at hand.
+ */
+bool
+idem_filter_summary_maybe(IdemPartition *p, uint64 hash)
+{
+	return filter_test(NULL, p, hash) == FILTER_MAYBE;
 }
 
 /*
@@ -684,21 +926,57 @@ idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 void
 idem_filters_forget_others(IdemPartitionSet *set)
 {
+	idem_filters_forget_unlisted(InvalidOid, set->parts, set->nparts, true);
+}
+
+/*
+ * Remove from memory the filters of this database stored in source (see
+ * IdemPartition.filter_source) that parts does not list: those in this
+ * backend's own store, and with shared those in the shared area.
+ * Maintenance runs it for the registry (idem_filters_forget_others()) and
+ * for the summaries (late.c), each of which leaves the other's alone.
+ */
+void
+idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts, bool shared)
+{
 	bool		advanced = false;
 
-	if (filter_area == NULL)
+	if (filter_area != NULL && !shared)
 		return;
+	if (filter_area == NULL)
+	{
+		HASH_SEQ_STATUS seq;
+		LocalFilter *lf;
+
+		if (!OidIsValid(source) || local_filters == NULL)
+			return;				/* the registry's: local_add() sees to them */
+		hash_seq_init(&seq, local_filters);
+		while ((lf = hash_seq_search(&seq)) != NULL)
+		{
+			bool		listed = lf->key.source != source;
+
+			for (int j = 0; j < nparts && !listed; j++)
+				listed = parts[j].relid == lf->key.relid && parts[j].filter_xmin == lf->key.xmin;
+			if (!listed)
+			{
+				local_used -= lf->nbits / 8;
+				pfree(lf->bits);
+				hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
+			}
+		}
+		return;
+	}
 	LWLockAcquire(filter_area->lock, LW_EXCLUSIVE);
 	for (int i = 0; i < IDEM_FILTER_MAX_ENTRIES; i++)
 	{
 		FilterEntry *e = &filter_area->entries[i];
 		bool		listed = false;
 
-		if (e->dboid != MyDatabaseId)
+		if (e->dboid != MyDatabaseId || e->source != source)
 			continue;
-		for (int j = 0; j < set->nparts && !listed; j++)
-			listed = set->parts[j].relid == e->relid &&
-				set->parts[j].filter_xmin == e->xmin && set->parts[j].has_filter;
+		for (int j = 0; j < nparts && !listed; j++)
+			listed = parts[j].relid == e->relid &&
+				parts[j].filter_xmin == e->xmin && parts[j].has_filter;
 		if (listed)
 			continue;
 		if (!advanced)

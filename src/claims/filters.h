@@ -13,7 +13,8 @@
 #include "utils/relcache.h"
 #include "utils/snapshot.h"
 
-#define IDEM_BLOOM_HASHES		7
+#define IDEM_BLOOM_HASHES		7		/* partitions' filters */
+#define IDEM_SUMMARY_HASHES		10		/* summaries' (late.c) */
 #define IDEM_BLOOM_BITS_PER_KEY	10
 #define IDEM_BLOOM_BLOCK_BITS	512		/* one cache line; sizes are multiples */
 
@@ -31,6 +32,12 @@ extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *in
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
 extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
+extern bytea *idem_filter_new(uint64 nbits);
+extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n);
+extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash);
+extern uint32 idem_filter_stored_nbits(Datum raw);
+extern void idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts,
+										 bool shared);
 extern void idem_filters_init(void);
 
 #endif							/* IDEM_CLAIMS_FILTERS_H */

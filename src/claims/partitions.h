@@ -35,6 +35,9 @@ typedef struct IdemPartition
 								 * keep_until - retention */
 	bool		has_filter;		/* the registry holds a Bloom filter */
 	TransactionId filter_xmin;	/* names that filter (its registry row) */
+	Oid			filter_source;	/* InvalidOid: the filter is in the registry;
+								 * else in this table (idempotency.late_summaries,
+								 * relid then being the summary's id) */
 	Oid			indexid;		/* last seen (scope, key) index, a hint */
 	/* where this backend found the filter (filters.c) */
 	const uint8 *filter_bits;

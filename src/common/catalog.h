@@ -55,6 +55,20 @@ enum Anum_settings
 };
 #define Natts_settings (_Anum_settings_max - 1)
 
+/* idempotency.late_summaries */
+enum Anum_late
+{
+	Anum_late_id = 1,
+	Anum_late_expired_from,
+	Anum_late_expired_to,
+	Anum_late_last_drop,
+	Anum_late_nkeys,
+	Anum_late_capacity,
+	Anum_late_bloom,
+	_Anum_late_max
+};
+#define Natts_late (_Anum_late_max - 1)
+
 extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 extern Relation idem_open_internal(Oid relid);

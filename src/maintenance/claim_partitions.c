@@ -39,7 +39,9 @@
  *	  AccessExclusiveLock is taken conditionally all the same (a reader of
  *	  idempotency.claims, or a transaction that probed the partition before
  *	  it expired, may hold a lock), and a busy partition waits for a
- *	  later round: claimers never queue behind a drop.
+ *	  later round: claimers never queue behind a drop.  Under that lock,
+ *	  before the drop, a heap scan adds the partition's keys to a
+ *	  late-duplicate summary (claims/late.c), in the drop's subtransaction.
  *	- Changing partition_interval seals (or closes) the premade partitions
  *	  of the old width (empty ones are then dropped like any empty sealed
  *	  partition) instead of dropping them outright, so a claim that a stale
@@ -60,6 +62,7 @@
 #include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "claims/filters.h"
+#include "claims/late.h"
 #include "claims/partitions.h"
 #include "claims/scopes.h"
 #include "claims/settings.h"
@@ -600,6 +603,15 @@ drop_one(Round *r, IdemPartition *p, const char *name)
 		idem_report_action(r->rep, "skip drop (in use)", name);
 		return false;
 	}
+	if (!p->empty)
+	{
+		/* its keys outlive it in a summary, for late duplicates (late.c) */
+		Relation	rel = table_open(p->relid, NoLock);
+
+		idem_late_fold(rel, p->lower + r->s.retention * USECS_PER_SEC,
+					   Min(p->keep_until + r->s.retention * USECS_PER_SEC, r->now), r->now);
+		table_close(rel, NoLock);
+	}
 	idem_spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
 			 1, types, values, SPI_OK_DELETE);
 	idem_spi_exec(psprintf("DROP TABLE %s", name), 0, NULL, NULL, SPI_OK_UTILITY);
@@ -808,6 +820,7 @@ idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, Times
 {
 	Round		r;
 	IdemPartitionSet *before;
+	int			expired;
 
 	r.rep = rep;
 	r.s = *s;
@@ -835,4 +848,8 @@ idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, Times
 	r.set = idem_partition_set_fresh();
 	drop_expired(&r, before);
 	idem_filters_forget_others(idem_partition_set_fresh());
+	expired = idem_late_expire(now);
+	if (expired > 0)
+		idem_report_action(rep, "expire", psprintf("%d late-duplicate summar%s", expired,
+												   expired == 1 ? "y" : "ies"));
 }

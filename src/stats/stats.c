@@ -24,8 +24,10 @@
  * at commit -- a deferred constraint, a serialization failure -- publishes
  * nothing).  A prepared transaction publishes when it is prepared: no hook
  * of an extension runs at COMMIT PREPARED, and it almost always commits.
- * Payload mismatches, request conflicts, stale and invalid guarded writes
- * count at once, although their error (or the caller) may roll the
+ * Late duplicates count what committed too, except those refused (IK008),
+ * which count at once (idem_stats_count_scope_now()), as do payload
+ * mismatches, request conflicts, stale and invalid guarded writes: they count
+ * at once, although their error (or the caller) may roll the
  * transaction back: the event happened, and for the errors the transaction
  * always fails.  With idempotency.stats_sandbox = on (idem_check_replay()
  * sets it for its call, and the GUC machinery puts it back, on error too)
@@ -566,9 +568,9 @@ pend(const StatsKey *key, IdemStatCounter counter, int64 n)
 
 /* Count n events of a key: now, or when the transaction commits. */
 static void
-count(const StatsKey *key, IdemStatCounter counter, int64 n)
+count(const StatsKey *key, IdemStatCounter counter, int64 n, bool at_once)
 {
-	if (!counts_at_once(counter) || stats_sandbox)
+	if (!(at_once || counts_at_once(counter)) || stats_sandbox)
 		pend(key, counter, n);
 	else
 	{
@@ -584,9 +586,13 @@ count(const StatsKey *key, IdemStatCounter counter, int64 n)
 	}
 }
 
-/* Count n events of a scope (at most IDEM_MAX_SCOPE_BYTES bytes). */
-void
-idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n)
+/*
+ * Count n events of a scope (at most IDEM_MAX_SCOPE_BYTES bytes), at once
+ * if at_once or the counter always counts so, else when the transaction
+ * commits.
+ */
+static void
+count_scope(text *scope, IdemStatCounter counter, int64 n, bool at_once)
 {
 	StatsKey	key;
 	int			len;
@@ -599,7 +605,24 @@ idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n)
 	memset(&key, 0, sizeof(key));
 	key.dboid = MyDatabaseId;
 	memcpy(key.scope, VARDATA_ANY(scope), len);
-	count(&key, counter, n);
+	count(&key, counter, n, at_once);
+}
+
+void
+idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n)
+{
+	count_scope(scope, counter, n, false);
+}
+
+/*
+ * The same, counted at once although the counter usually counts what
+ * commits: for an event whose transaction fails by its error (a late
+ * duplicate refused).
+ */
+void
+idem_stats_count_scope_now(text *scope, IdemStatCounter counter, int64 n)
+{
+	count_scope(scope, counter, n, true);
 }
 
 /* Count an event of a guarded table. */
@@ -613,7 +636,7 @@ idem_stats_count_relation(Oid relid, IdemStatCounter counter)
 	memset(&key, 0, sizeof(key));
 	key.dboid = MyDatabaseId;
 	key.relid = relid;
-	count(&key, counter, 1);
+	count(&key, counter, 1, false);
 }
 
 /*

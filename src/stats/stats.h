@@ -20,10 +20,12 @@ typedef enum IdemStatCounter
 	IDEM_STAT_REQUESTS_STARTED,
 	IDEM_STAT_REQUESTS_COMPLETED,
 	IDEM_STAT_REQUESTS_CONFLICTED,
+	IDEM_STAT_LATE_DUPLICATES,
 	IDEM_STAT_NCOUNTERS
 } IdemStatCounter;
 
 extern void idem_stats_count_scope(text *scope, IdemStatCounter counter, int64 n);
+extern void idem_stats_count_scope_now(text *scope, IdemStatCounter counter, int64 n);
 extern void idem_stats_count_relation(Oid relid, IdemStatCounter counter);
 extern void idem_stats_maintained(void);
 extern void idem_stats_init(void);

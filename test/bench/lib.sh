@@ -32,6 +32,13 @@
 #                         hand-written (scope, key) baseline, and keys
 #                         1..10000 claimed and inserted beforehand in both
 #                         (the duplicates)
+# bench_late_summaries DB N KEYS
+#                         give DB (where the extension exists) N
+#                         late-duplicate summaries of KEYS keys each, made
+#                         by the extension's own drops in a scratch
+#                         database (the clock moved with
+#                         idempotency.debug_clock_offset), with last_drop
+#                         now: all within the window
 # bench_restart [NAME=VALUE...]
 #                         ALTER SYSTEM SET each setting (NAME=  resets it; a
 #                         VALUE with commas is a list: 'a', 'b'), then
@@ -88,6 +95,33 @@ bench_restart() {
         echo "bench_restart: the server did not restart" >&2
         return 1
     }
+}
+
+bench_late_summaries() {
+    local db=$1 n=$2 keys=$3 gen=idem_bench_late_gen i h rows
+    rows=$(mktemp)
+    psql -X -q -d postgres -c "DROP DATABASE IF EXISTS $gen" -c "CREATE DATABASE $gen" >/dev/null
+    PGDATABASE=$gen bench_setup <<'SQL'
+SELECT idem_configure(retention => '1 hour', partition_interval => '1 hour', premake => 1);
+SQL
+    for i in $(seq 1 "$n"); do
+        h=$((4 * i))
+        PGDATABASE=$gen bench_setup <<SQL
+SET idempotency.debug_clock_offset = '${h}h';
+SELECT count(*) FROM idem_maintain();
+SELECT count(*) FROM idem_claim_many(ARRAY(SELECT 'late-$i-' || g FROM generate_series(1, $keys) g), 'late');
+SQL
+        for h in $((4 * i + 2)) $((4 * i + 3)); do
+            PGDATABASE=$gen bench_setup <<<"SET idempotency.debug_clock_offset = '${h}h'; SELECT count(*) FROM idem_maintain();"
+        done
+        psql -X -q -At -d $gen -v ON_ERROR_STOP=1 -c "COPY (SELECT $i, expired_from, expired_to, now(), nkeys, capacity, bloom FROM idempotency.late_summaries) TO STDOUT" >>"$rows"
+        psql -X -q -d $gen -v ON_ERROR_STOP=1 -c 'TRUNCATE idempotency.late_summaries' >/dev/null
+    done
+    psql -X -q -d postgres -c "DROP DATABASE $gen" >/dev/null
+    [[ $(wc -l <"$rows") -eq $n ]] || { echo "bench_late_summaries: made $(wc -l <"$rows") summaries, not $n" >&2; return 1; }
+    psql -X -q -d "$db" -v ON_ERROR_STOP=1 -c 'TRUNCATE idempotency.late_summaries' \
+        -c "\\copy idempotency.late_summaries FROM '$rows'" >/dev/null
+    rm -f "$rows"
 }
 
 bench_pair() {

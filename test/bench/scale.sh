@@ -40,11 +40,17 @@
 #   8 many-new / many-dup
 #               idem_claim_many of 1000 keys vs INSERT ... SELECT FROM unnest(...)
 #               ON CONFLICT DO NOTHING RETURNING key, new and duplicate keys
+#   9 late      new keys, ours with idempotency.late_duplicate_window at its
+#               default (on) against ours with it 0 (off, the baseline here):
+#               what late-duplicate detection costs beside 3 summaries of
+#               200 000 keys each (bench_late_summaries, made after the
+#               shape is built; every other case runs beside them too, with
+#               the window on, as by default)
 #
 # Needs test/bench/run (it exports IDEM_DATA/IDEM_BINDIR for the restart).
 # Settings: IDEM_SCALE_SHAPES (default "a b c"), IDEM_SCALE_CLAIMS_PER_PARTITION
 # (default 1050000), IDEM_SCALE_MODES (default "local preloaded"),
-# IDEM_SCALE_CASES (default "new dup hot32 conn first lag many-new many-dup";
+# IDEM_SCALE_CASES (default "new dup hot32 conn first lag many-new many-dup late";
 # memory is always measured), IDEM_SCALE_KEEP=1 keeps the shape databases; rounds, seconds and clients from
 # lib.sh (IDEM_BENCH_ROUNDS, IDEM_BENCH_SECONDS, IDEM_BENCH_CLIENTS).
 set -euo pipefail
@@ -217,7 +223,7 @@ memory() {
     echo "$(sed -n 2p <<<"$ours") $base $(sed -n 3p <<<"$ours")"
 }
 
-read -r -a CASES <<<"${IDEM_SCALE_CASES:-new dup hot32 conn first lag many-new many-dup}"
+read -r -a CASES <<<"${IDEM_SCALE_CASES:-new dup hot32 conn first lag many-new many-dup late}"
 
 bench_shape() {
     local name=$1 mode=$2 db=idem_scale_$1 r c b i
@@ -251,6 +257,9 @@ bench_shape() {
                           i=$(PGDATABASE=$db bench_tps scale_many_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI) ;;
                 many-dup) b=$(PGDATABASE=$db bench_tps scale_many_plain.sql -D lo="$dlo" -D hi="$mhi")
                           i=$(PGDATABASE=$db bench_tps scale_many_idem.sql -D lo="$dlo" -D hi="$mhi") ;;
+                late)  b=$(PGDATABASE=$db PGOPTIONS="-c idempotency.late_duplicate_window=0" \
+                           bench_tps scale_claim_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI)
+                       i=$(PGDATABASE=$db bench_tps scale_claim_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI) ;;
             esac
             B[$c]+="$b " O[$c]+="$i "
         done
@@ -290,6 +299,7 @@ for s in $SHAPES; do
         c) build_shape c $((30 * DAY)) 3600 0 $((30 * DAY)) ;;
         *) echo "unknown shape '$s' (a, b or c)" >&2; exit 1 ;;
     esac
+    bench_late_summaries "idem_scale_$s" 3 200000
 done
 
 for mode in $MODES; do
@@ -319,12 +329,12 @@ for s in $SHAPES; do
     esac
 done
 echo
-echo "| shape | mode | 1 new | 2 dup | 3 hot key, 32 clients | 4 connect per txn | 5 first claim ms (ours / base) | 6 backend MB (ours / base) | 7 lagging maintenance | 8 many new | 8 many dup | filters (filter_status after 1 claim; shared: all databases) |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| shape | mode | 1 new | 2 dup | 3 hot key, 32 clients | 4 connect per txn | 5 first claim ms (ours / base) | 6 backend MB (ours / base) | 7 lagging maintenance | 8 many new | 8 many dup | 9 late check on / off | filters (filter_status after 1 claim; shared: all databases) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for s in $SHAPES; do
     for mode in $MODES; do
         printf '| %s | %s |' "$s" "$mode"
-        for c in new dup hot32 conn first memory lag many-new many-dup filters; do
+        for c in new dup hot32 conn first memory lag many-new many-dup late filters; do
             printf ' %s |' "${RES[$s,$mode,$c]:--}"
         done
         echo

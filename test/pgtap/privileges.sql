@@ -54,7 +54,7 @@ SELECT is(ARRAY(SELECT fn FROM ext_functions WHERE grantees ~ '(^|,)PUBLIC(,|$)'
                 'idem_claim(text,text,jsonb)',
                 'idem_claim_many(text[],text)',
                 'idem_claim_routed(text,text,text,jsonb)',
-                'idem_claimed(text,text)',
+                'idem_claimed(text,text)', 'idem_claimed_before(text,text)',
                 'idem_configure(interval,interval,integer)',
                 'idem_guard_transitions(regclass,name,jsonb,text)',
                 'idem_guard_version(regclass,name,text)',

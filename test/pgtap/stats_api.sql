@@ -16,8 +16,8 @@ SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
                 'stale_skips', 'invalid_transitions', 'requests_started', 'requests_completed',
                 'requests_conflicted', 'outbox_pending', 'outbox_dead', 'outbox_oldest_pending_age',
                 'last_claim_at', 'last_duplicate_at', 'stats_reset',
-                'inbox_pending', 'inbox_dead', 'inbox_oldest_pending_age'],
-          'idempotency.stats has the SPEC columns in order, then the inbox''s');
+                'inbox_pending', 'inbox_dead', 'inbox_oldest_pending_age', 'late_duplicates'],
+          'idempotency.stats has the SPEC columns in order, then the inbox''s, then late_duplicates');
 SELECT col_type_is('idempotency', 'stats', 'relation', 'regclass', 'stats.relation is regclass');
 SELECT col_type_is('idempotency', 'stats', 'outbox_oldest_pending_age', 'interval',
                    'stats.outbox_oldest_pending_age is an interval');
