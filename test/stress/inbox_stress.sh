@@ -44,7 +44,7 @@
 # IDEM_STRESS_ROLLBACK_PCT (default 20), IDEM_STRESS_FAIL_PCT (failed
 # batches, default 15), IDEM_STRESS_DRAIN (at most this many seconds after
 # the receivers stop, the workers must have processed everything, default
-# 45).
+# 90: on a loaded machine 45 was not always enough).
 set -euo pipefail
 
 SECONDS_RUN=${IDEM_STRESS_SECONDS:-15}
@@ -53,7 +53,7 @@ NMSG=${IDEM_STRESS_MESSAGES:-6000}
 NKEYS=${IDEM_STRESS_KEYS:-100}
 ROLLBACK_PCT=${IDEM_STRESS_ROLLBACK_PCT:-20}
 FAIL_PCT=${IDEM_STRESS_FAIL_PCT:-15}
-DRAIN=${IDEM_STRESS_DRAIN:-45}
+DRAIN=${IDEM_STRESS_DRAIN:-90}
 LEASE='2 seconds'
 BATCH=10
 
