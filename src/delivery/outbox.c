@@ -129,6 +129,7 @@
 #include "replication/message.h"
 #include "storage/itemptr.h"
 #include "storage/lock.h"
+#include "storage/proc.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
@@ -680,7 +681,7 @@ outbox_key_arrays(char **types, char **ids, int n, Datum *values)
  * With empty names, the lock of the subscription's cursor row.
  */
 static int	new_rows_made = 0;
-static TransactionId new_rows_xid = InvalidTransactionId;
+static LocalTransactionId new_rows_lxid = InvalidLocalTransactionId;
 
 static bool
 lock_rows_of_subscription(LOCKMODE mode, bool wait)
@@ -721,11 +722,10 @@ outbox_ensure_deliveries(char **types, char **ids, int *n, bool admin)
 		(void) lock_rows_of_subscription(ExclusiveLock, true);
 	else
 	{
-		TransactionId xid = GetTopTransactionId();
-
-		if (xid != new_rows_xid)
+		/* the local id: counting must not assign the transaction an xid */
+		if (MyProc->lxid != new_rows_lxid)
 		{
-			new_rows_xid = xid;
+			new_rows_lxid = MyProc->lxid;
 			new_rows_made = 0;
 		}
 		if (*n > 0 && !lock_rows_of_subscription(ShareLock, false))

@@ -7,7 +7,7 @@
 \ir include/begin.sql
 DO $$ BEGIN PERFORM idempotency.current_settings(); END $$;
 
-SELECT plan(109);
+SELECT plan(112);
 
 -- every event a claim handed out, tagged with the claim's name
 CREATE TEMP TABLE got (call text, id uuid, aggregate_type text, aggregate_id text, seq bigint,
@@ -51,6 +51,9 @@ BEGIN
     RETURN n;
 END $$;
 
+CREATE ROLE obs_nobody;
+GRANT USAGE ON SCHEMA idempotency TO obs_nobody;
+
 -- 1. objects ------------------------------------------------------------------
 
 SELECT has_function('idem_outbox_subscribe', ARRAY['text', 'text[]', 'text', 'text'],
@@ -70,6 +73,12 @@ SELECT is(ARRAY(SELECT attname::text FROM pg_attribute
           'idempotency.outbox_subscriptions_status columns');
 SELECT is((SELECT state FROM idempotency.outbox_subscriptions_status WHERE name = 'default'), 'active',
           'the default subscription comes with the extension');
+SELECT is(idempotency.outbox_partition_pinned_by('idempotency.settings'), NULL,
+          'outbox_partition_pinned_by says nothing of a table that is no outbox partition');
+SELECT throws_ok($$SET LOCAL ROLE obs_nobody; SELECT idempotency.outbox_detach_lagging('idempotency.settings', '1 s', now())$$,
+                 '42501', NULL, 'outbox_detach_lagging: not for PUBLIC');
+SELECT throws_ok($$SET LOCAL ROLE obs_nobody; SELECT idempotency.outbox_partition_pinned_by('idempotency.settings')$$,
+                 '42501', NULL, 'outbox_partition_pinned_by: not for PUBLIC');
 SELECT is((SELECT setting FROM pg_settings WHERE name = 'idempotency.outbox_max_lag'), '1209600',
           'outbox_max_lag defaults to 14 days');
 
