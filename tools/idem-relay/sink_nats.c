@@ -49,8 +49,13 @@ nats_link_close(nats_link *l)
 	memset(l, 0, sizeof(*l));
 }
 
-int
-nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen)
+/*
+ * send_asap: publishes written at once rather than by the library's flusher
+ * thread, which waits a millisecond for more: the sink's waves wait for
+ * their acks, so that millisecond would be every wave's
+ */
+static int
+nats_link_connect(nats_link *l, const relay_config *cfg, int send_asap, char *err, size_t errlen)
 {
 	natsStatus	s;
 
@@ -63,6 +68,8 @@ nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen)
 		s = natsOptions_SetTimeout(l->opts, l->timeout_ms);
 	if (s == NATS_OK)
 		s = natsOptions_SetAllowReconnect(l->opts, false);
+	if (s == NATS_OK && send_asap)
+		s = natsOptions_SetSendAsap(l->opts, true);
 	if (s == NATS_OK)
 		s = natsConnection_Connect(&l->nc, l->opts);
 	if (s == NATS_OK)
@@ -76,6 +83,11 @@ nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen)
 	return 0;
 }
 
+int
+nats_link_open(nats_link *l, const relay_config *cfg, char *err, size_t errlen)
+{
+	return nats_link_connect(l, cfg, 0, err, errlen);
+}
 
 /* one event of the runs sent and not yet read */
 typedef struct nats_slot
@@ -218,7 +230,7 @@ nats_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 		return -1;
 	}
 	st->lease = cfg->lease;
-	if (nats_link_open(&st->link, cfg, err, errlen) != 0)
+	if (nats_link_connect(&st->link, cfg, 1, err, errlen) != 0)
 	{
 		pthread_mutex_destroy(&st->mu);
 		free(st);
