@@ -8,8 +8,12 @@
 # captures: no responders) ends in dead letters while other aggregates
 # flow (skip).  Then every committed event is in the stream, none rolled
 # back, in seq order per aggregate, and no duplicate: JetStream's duplicate
-# window drops the redeliveries of lost acks.  The stream is created and
-# read by a few lines of the NATS protocol (RelayTest's nats_requests).
+# window drops the redeliveries of lost acks.  A run whose middle event
+# stream BIG refuses (too large): the event after it is stored only once
+# the refused one is dead-lettered, never while it is being retried (the
+# sink pipelines a batch, and must not publish past an event that may
+# fail).  The streams are created and read by a few lines of the NATS
+# protocol (RelayTest's nats_requests).
 use strict;
 use warnings;
 
@@ -29,15 +33,20 @@ my $port = free_port();
 
 sub stream_info
 {
-	my ($r) = nats_requests($port, [ '$JS.API.STREAM.INFO.OUTBOX', '' ]);
+	my ($stream) = @_;
+	$stream //= 'OUTBOX';
+	my ($r) = nats_requests($port, [ "\$JS.API.STREAM.INFO.$stream", '' ]);
 	return defined $r ? decode_json($r) : {};
 }
 
-# every message of stream OUTBOX, in stream order
+# every message of stream $stream (default OUTBOX), in stream order, with
+# msg_id and time (when the stream stored it)
 sub arrivals
 {
-	my $last = stream_info()->{state}{last_seq} // 0;
-	my @r = nats_requests($port, map { [ '$JS.API.STREAM.MSG.GET.OUTBOX', qq{{"seq":$_}} ] } 1 .. $last);
+	my ($stream) = @_;
+	$stream //= 'OUTBOX';
+	my $last = stream_info($stream)->{state}{last_seq} // 0;
+	my @r = nats_requests($port, map { [ "\$JS.API.STREAM.MSG.GET.$stream", qq{{"seq":$_}} ] } 1 .. $last);
 	my @a;
 	foreach my $r (@r)
 	{
@@ -45,6 +54,7 @@ sub arrivals
 		my $e = decode_json(decode_base64($m->{data}));
 		my $hdrs = decode_base64($m->{hdrs} // '');
 		$e->{msg_id} = $hdrs =~ /^Nats-Msg-Id:\s*(\S+)/mi ? $1 : '';
+		$e->{stored_at} = $m->{time};
 		push @a, $e;
 	}
 	return \@a;
@@ -56,6 +66,9 @@ my $nats = start_nats($tmp, $port);
 my ($created) = nats_requests($port, [ '$JS.API.STREAM.CREATE.OUTBOX',
 	'{"name":"OUTBOX","subjects":["outbox.load.>"],"storage":"file","duplicate_window":120000000000}' ]);
 like($created, qr/"name":"OUTBOX"/, 'stream OUTBOX created (2-minute duplicate window)');
+($created) = nats_requests($port, [ '$JS.API.STREAM.CREATE.BIG',
+	'{"name":"BIG","subjects":["outbox.mid.>"],"storage":"file","max_msg_size":4096}' ]);
+like($created, qr/"name":"BIG"/, 'stream BIG created (messages of 4 kB at most)');
 
 my $node = relay_node('relay_nats');
 
@@ -95,6 +108,25 @@ ok( wait_until(30, sub {
 	'the poison event is dead-lettered');
 like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
 	qr/no stream captures the subject/, 'the dead letter says why');
+
+# one transaction, so one claim hands out the run of three
+my @mid = split /\n/, $node->safe_psql('postgres', q{
+SELECT e.id FROM generate_series(1, 3) g,
+  LATERAL idem_outbox_emit('mid', 'm1', 'ev', CASE WHEN g = 2 THEN jsonb_build_object('pad', repeat('x', 8000))
+                                                   ELSE jsonb_build_object('g', g) END) e
+ORDER BY e.seq});
+ok( wait_until(60, sub {
+		$node->safe_psql('postgres', "SELECT count(*) FROM idempotency.outbox_dead WHERE id = '$mid[1]'") eq '1' }),
+	'the too large event of a run is dead-lettered');
+like( $node->safe_psql('postgres', "SELECT last_error FROM idempotency.outbox_dead WHERE id = '$mid[1]'"),
+	qr/JetStream error [1-9]/, 'refused by the stream (a JetStream error for the message)');
+ok(wait_until(30, sub { (stream_info('BIG')->{state}{messages} // 0) >= 2 }), 'the run goes on after the dead letter');
+my $big = arrivals('BIG');
+is(join(',', map { $_->{id} } @$big), "$mid[0],$mid[2]",
+	'stream BIG holds the events before and after the refused one, once each, in order');
+is( $node->safe_psql('postgres',
+		"SELECT '$big->[1]{stored_at}'::timestamptz >= dead_at FROM idempotency.outbox_dead WHERE id = '$mid[1]'"),
+	't', 'the event after the refused one was stored only after the refused one was dead-lettered');
 ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
 
 my $arrivals = arrivals();
