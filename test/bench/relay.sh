@@ -40,6 +40,7 @@ shopt -s inherit_errexit
 ROUNDS=${IDEM_BENCH_ROUNDS:-3}
 EVENTS=${IDEM_RELAY_BENCH_EVENTS:-50000}
 DB=idem_bench_relay
+# shellcheck disable=SC2016 # $1 and $2 are the sink's parameters
 SQL_STMT='INSERT INTO bench_sink(id, ev) VALUES ($2::uuid, $1::jsonb)'
 
 command -v idem-relay >/dev/null || { echo "idem-relay not on PATH (make install)" >&2; exit 1; }
@@ -67,9 +68,9 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 # until "$@" succeeds, at most $1 seconds
 wait_for() {
-    local secs=$1 i
+    local secs=$1
     shift
-    for i in $(seq $((secs * 10))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
+    for _ in $(seq $((secs * 10))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
     return 1
 }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -162,7 +163,7 @@ check_redis() {
 # redis-benchmark XADD of an event-sized field, PIPE commands in flight
 xadd() {
     redis-benchmark -p "$redis_port" -c 1 -P "$1" -n "$EVENTS" -q XADD benchx '*' payload "$(cat "$tmp/event.json")" |
-        sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' | head -n 1
+        sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' | head -n 1 | awk '{ printf "%.0f\n", $1 }'
     expect_count "$EVENTS" redis-cli -p "$redis_port" XLEN benchx
     redis-cli -p "$redis_port" DEL benchx >/dev/null
 }
@@ -315,7 +316,7 @@ done
 # bench_ratio over the rounds' figures of CAND and BASE
 ratio() {
     local label=$1 cname=$2 cand=$3 bname=$4 base=$5 c b
-    c="r_$cand[@]" b="r_$base[@]"
+    c="r_${cand}[@]" b="r_${base}[@]"
     bench_ratio "$label" "$cname" "${!c}" -- "$bname" "${!b}"
 }
 ratio "relay stdout" "idem-relay stdout" stdout "drain alone" drain
