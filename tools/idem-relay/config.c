@@ -37,12 +37,14 @@ typedef struct option_def
 static const option_def options[] = {
 	{"dbname", 'd', O_STRING, OFF(dbname), "CONNINFO",
 	"database name or libpq connection string (default: libpq's PG* variables)"},
-	{"sink", 's', O_STRING, OFF(sink), "NAME", "where events go: stdout (default), http, redis, nats, amqp"},
+	{"sink", 's', O_STRING, OFF(sink), "NAME", "where events go: stdout (default), sql, http, redis, nats, amqp"},
 	{"url", 'u', O_STRING, OFF(url), "URL",
-	"the sink's address (http: the webhook; redis://HOST:PORT; nats://HOST:PORT; amqp://USER:PASS@HOST:PORT/VHOST)"},
+	"the sink's address (sql: a libpq connection string, - for --dbname; http: the webhook; redis://HOST:PORT; nats://HOST:PORT; amqp://USER:PASS@HOST:PORT/VHOST)"},
 	{"target", 'T', O_STRING, OFF(target), "TEMPLATE",
 	"subject (nats), stream (redis) or routing key (amqp) from {aggregate_type} {event_type} {aggregate_id}"},
 	{"exchange", 0, O_STRING, OFF(exchange), "NAME", "amqp: the exchange to publish to (default: the default exchange)"},
+	{"sql", 0, O_STRING, OFF(sql), "STATEMENT",
+	"sql: the statement run per event on the sink's connection, $1 the event as JSON, $2 its id"},
 	{"types", 't', O_STRING, OFF(types), "LIST", "comma-separated aggregate types to take (default: all)"},
 	{"subscription", 0, O_STRING, OFF(subscription), "NAME",
 	"the outbox subscription to deliver (default: default); one relay process per subscription and sink"},
@@ -337,6 +339,10 @@ check(relay_config *cfg, int sink_given)
 		config_error("%s needs --url%s", cfg->in ? cfg->in : sink->name, "");
 	if (sink && !cfg->target)
 		cfg->target = sink->default_target;
+	if (sink && strcmp(sink->name, "sql") == 0 && !*cfg->sql)
+		config_error("--sink sql needs --sql STATEMENT%s%s", "", "");
+	if (*cfg->sql && (!sink || strcmp(sink->name, "sql") != 0))
+		config_error("--sql is for --sink sql only%s%s", "", "");
 }
 
 void
@@ -352,6 +358,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->url = NULL;
 	cfg->target = NULL;
 	cfg->exchange = "";
+	cfg->sql = "";
 	cfg->types = "";
 	cfg->subscription = "default";
 	cfg->metrics_listen = "";

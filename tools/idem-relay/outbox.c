@@ -176,19 +176,22 @@ typedef struct sink_handle
 	int			open;
 } sink_handle;
 
+/* open the sink (closing it first if open); 0, -1 or SINK_OPEN_FATAL (logged) */
 static int
 sink_reopen(sink_handle *s, const relay_config *cfg, int reconnect)
 {
-	char		err[512] = "";
+	char		err[1024] = "";
+	int			rc;
 
 	if (s->open)
 		s->ops->close(s->state);
 	s->open = 0;
-	if (s->ops->open(&s->state, cfg, err, sizeof(err)) != 0)
+	rc = s->ops->open(&s->state, cfg, err, sizeof(err));
+	if (rc != 0)
 	{
-		log_msg(LOG_WARN, "cannot open the sink", "sink", s->ops->name, "url", cfg->url,
-				"error", err, NULL);
-		return -1;
+		log_msg(rc == SINK_OPEN_FATAL && !reconnect ? LOG_ERROR : LOG_WARN, "cannot open the sink",
+				"sink", s->ops->name, "url", cfg->url, "error", err, NULL);
+		return rc == SINK_OPEN_FATAL ? rc : -1;
 	}
 	s->open = 1;
 	if (reconnect)
@@ -622,11 +625,21 @@ outbox_run(const relay_config *cfg, const sink_ops *ops)
 				return 1;
 			if (!relay_retry_done(&db_retry, ok, M_DB_RECONNECTS))
 				continue;
-			connected_once = 1;
+			/* 1: the database was reached; 2: the sink too (kept across reconnections) */
+			if (!connected_once)
+				connected_once = 1;
 		}
 		if (!sink.open)
 		{
-			if (sink_reopen(&sink, cfg, connected_once > 1) != 0)
+			int			rc = sink_reopen(&sink, cfg, connected_once > 1);
+
+			/* a configuration that never worked: stop (once it did, wait for a fix) */
+			if (rc == SINK_OPEN_FATAL && connected_once < 2)
+			{
+				db_close(&db);
+				return EXIT_CONFIG;
+			}
+			if (rc != 0)
 			{
 				relay_sleep(sink_backoff);
 				sink_backoff = relay_backoff(sink_backoff, 10);

@@ -38,11 +38,12 @@
 typedef struct relay_config
 {
 	const char *dbname;			/* libpq connection string ("" = libpq's defaults) */
-	const char *sink;			/* stdout, http, redis, nats, amqp */
+	const char *sink;			/* stdout, sql, http, redis, nats, amqp */
 	const char *in;				/* inbound: the source (http, redis, nats, amqp); NULL: outbound */
 	const char *url;			/* where the sink connects */
 	const char *target;			/* template of subject / stream / routing key */
 	const char *exchange;		/* amqp: the exchange ("" = the default one) */
+	const char *sql;			/* sql: the statement run per event ("" = none) */
 	const char *types;			/* comma-separated aggregate types, "" = all */
 	const char *subscription;	/* the outbox subscription it delivers */
 	const char *metrics_listen; /* host:port, "" = none */
@@ -144,12 +145,18 @@ typedef enum sink_result
 	SINK_DOWN					/* the broker is unreachable: try again until it is back */
 } sink_result;
 
+#define SINK_OPEN_FATAL (-2)
+
 typedef struct sink_ops
 {
 	const char *name;
 	const char *default_url;
 	const char *default_target;
-	/* connect; 0, or -1 with the reason in err */
+	/*
+	 * connect; 0, or -1 with the reason in err (tried again with a
+	 * backoff), or SINK_OPEN_FATAL: the configuration cannot work (the
+	 * relay stops with exit 2 if the sink never opened)
+	 */
 	int			(*open) (void **state, const relay_config *cfg, char *err, size_t errlen);
 	/* publish one event to subject/stream/key target; the reason in err */
 	sink_result (*publish) (void *state, const relay_event *ev, const char *target,
@@ -196,6 +203,7 @@ void		sink_expand(const char *tmpl, const relay_event *ev, char *out, size_t out
 
 /* every sink compiled in */
 extern const sink_ops sink_stdout;
+extern const sink_ops sink_sql;
 #ifdef HAVE_CURL
 extern const sink_ops sink_http;
 #endif

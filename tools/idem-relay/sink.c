@@ -1,6 +1,7 @@
 /*
  * sink.c: the sinks compiled in (each sink_*.c is built only when
- * pkg-config found its library; stdout always), lookup by name, and the
+ * pkg-config found its library; stdout and sql, which needs only libpq,
+ * always), lookup by name, and the
  * target template: {aggregate_type}, {event_type} and {aggregate_id}
  * replaced by the event's values, anything else kept as written.
  *
@@ -12,6 +13,7 @@
 
 static const sink_ops *const sinks[] = {
 	&sink_stdout,
+	&sink_sql,
 #ifdef HAVE_CURL
 	&sink_http,
 #endif
