@@ -265,7 +265,7 @@ check_sql() {
 }
 sql_rate() {
     pgbench -n -M prepared -c 1 -t "$EVENTS" -D ev="$(cat "$tmp/event.json")" -f "$tmp/sql_insert.sql" |
-        sed -n 's/^tps = \([0-9.]*\) .*/\1/p' | head -n 1
+        sed -n 's/^tps = \([0-9.]*\) .*/\1/p' | head -n 1 | awk '{ printf "%.0f\n", $1 }'
     check_sql
 }
 
