@@ -192,6 +192,31 @@ typedef struct sink_ops
 #define SINK_DEFINE_PIPELINED(var, nm, url, target, open_fn, publish_fn, close_fn, send_fn, recv_fn) \
 	const sink_ops var = {nm, url, target, open_fn, publish_fn, NULL, close_fn, send_fn, recv_fn}
 
+/*
+ * A sink that publishes the runs send_run queued in waves (nats, amqp):
+ * each run's progress, and the recv_run they share.
+ */
+typedef struct sink_run
+{
+	int			first;			/* its first slot in the sink's own array */
+	int			n;
+	int			confirmed;		/* its events confirmed: a prefix */
+	sink_result res;			/* SINK_OK while none failed */
+	char		err[256];
+} sink_run;
+
+/* every run not wholly confirmed and not failed fails with res and why */
+void		sink_runs_fail_rest(sink_run *runs, int nruns, sink_result res, const char *why);
+
+/*
+ * recv_run of such a sink: waves(state) at the first call after the runs
+ * were queued (*waved set), then the runs in order (*nread counting them),
+ * reset(state) after the last
+ */
+sink_result sink_runs_recv(void *state, sink_run *runs, int nruns, int *nread, int *waved,
+						   void (*waves) (void *), void (*reset) (void *),
+						   int *confirmed, char *err, size_t errlen);
+
 /* the sink named name, NULL if not compiled in */
 const sink_ops *sink_find(const char *name);
 

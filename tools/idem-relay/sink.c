@@ -3,12 +3,14 @@
  * pkg-config found its library; stdout and sql, which needs only libpq,
  * always), lookup by name, and the
  * target template: {aggregate_type}, {event_type} and {aggregate_id}
- * replaced by the event's values, anything else kept as written.
+ * replaced by the event's values, anything else kept as written; and
+ * the bookkeeping of the sinks that publish a batch's runs in waves.
  *
  * No state: called from the main thread.
  */
 #include "relay.h"
 
+#include <stdio.h>
 #include <string.h>
 
 static const sink_ops *const sinks[] = {
@@ -89,4 +91,44 @@ sink_expand(const char *tmpl, const relay_event *ev, char *out, size_t outlen)
 			out[len++] = *tmpl++;
 	}
 	out[len] = '\0';
+}
+
+void
+sink_runs_fail_rest(sink_run *runs, int nruns, sink_result res, const char *why)
+{
+	for (int r = 0; r < nruns; r++)
+		if (runs[r].res == SINK_OK && runs[r].confirmed < runs[r].n)
+		{
+			runs[r].res = res;
+			snprintf(runs[r].err, sizeof(runs[r].err), "%s", why);
+		}
+}
+
+sink_result
+sink_runs_recv(void *state, sink_run *runs, int nruns, int *nread, int *waved,
+			   void (*waves) (void *), void (*reset) (void *),
+			   int *confirmed, char *err, size_t errlen)
+{
+	sink_run   *run;
+	sink_result res;
+
+	*confirmed = 0;
+	if (*nread >= nruns)
+	{
+		snprintf(err, errlen, "no run was sent");
+		return SINK_RETRY;
+	}
+	if (!*waved)
+	{
+		waves(state);
+		*waved = 1;
+	}
+	run = &runs[(*nread)++];
+	*confirmed = run->confirmed;
+	res = run->res;
+	if (res != SINK_OK)
+		snprintf(err, errlen, "%s", run->err);
+	if (*nread == nruns)
+		reset(state);
+	return res;
 }

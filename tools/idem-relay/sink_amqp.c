@@ -53,16 +53,6 @@ typedef struct amqp_slot
 	char		err[256];
 } amqp_slot;
 
-/* one aggregate's run, as send_run queued it */
-typedef struct amqp_run
-{
-	int			first;			/* its first slot */
-	int			n;
-	int			confirmed;		/* its events confirmed: a prefix */
-	sink_result res;			/* SINK_OK while none failed */
-	char		err[256];
-} amqp_run;
-
 typedef struct amqp_state
 {
 	amqp_connection_state_t conn;
@@ -73,7 +63,7 @@ typedef struct amqp_state
 	amqp_slot  *slots;
 	int			nslots,
 				slotcap;
-	amqp_run   *runs;
+	sink_run   *runs;
 	int			nruns,
 				runcap;
 	amqp_slot **wave;			/* the slots of the wave in flight (runcap long) */
@@ -390,7 +380,7 @@ amqp_send_run(void *state, const relay_event *evs, const char *const *targets, i
 		int			slotcap = st->slotcap,
 					runcap = st->runcap;
 		amqp_slot  *slots;
-		amqp_run   *runs;
+		sink_run   *runs;
 		amqp_slot **wave;
 
 		while (st->nslots + n > slotcap)
@@ -468,7 +458,7 @@ amqp_waves(amqp_state *st)
 
 		for (r = 0; r < st->nruns && !down; r++)
 		{
-			amqp_run   *run = &st->runs[r];
+			sink_run   *run = &st->runs[r];
 			amqp_slot  *sl;
 			int			rc;
 
@@ -491,7 +481,7 @@ amqp_waves(amqp_state *st)
 		for (i = 0; i < nwave; i++)
 		{
 			amqp_slot  *sl = st->wave[i];
-			amqp_run   *run = &st->runs[sl->run];
+			sink_run   *run = &st->runs[sl->run];
 
 			if (sl->res == SINK_OK)
 			{
@@ -514,40 +504,29 @@ amqp_waves(amqp_state *st)
 			why = "not sent in waves: a third of the lease has gone";
 	}
 	if (why)
-		for (r = 0; r < st->nruns; r++)
-			if (st->runs[r].res == SINK_OK && st->runs[r].confirmed < st->runs[r].n)
-			{
-				st->runs[r].res = why_res;
-				snprintf(st->runs[r].err, sizeof(st->runs[r].err), "%s", why);
-			}
+		sink_runs_fail_rest(st->runs, st->nruns, why_res, why);
+}
+
+/* run the waves (void * for sink_runs_recv) */
+static void
+amqp_waves_of(void *state)
+{
+	amqp_waves(state);
+}
+
+static void
+amqp_reset_of(void *state)
+{
+	amqp_reset(state);
 }
 
 static sink_result
 amqp_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 {
 	amqp_state *st = state;
-	amqp_run   *run;
-	sink_result res;
 
-	*confirmed = 0;
-	if (st->nread >= st->nruns)
-	{
-		snprintf(err, errlen, "no run was sent");
-		return SINK_RETRY;
-	}
-	if (!st->waved)
-	{
-		amqp_waves(st);
-		st->waved = 1;
-	}
-	run = &st->runs[st->nread++];
-	*confirmed = run->confirmed;
-	res = run->res;
-	if (res != SINK_OK)
-		snprintf(err, errlen, "%s", run->err);
-	if (st->nread == st->nruns)
-		amqp_reset(st);
-	return res;
+	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
+						  amqp_waves_of, amqp_reset_of, confirmed, err, errlen);
 }
 
 SINK_DEFINE_PIPELINED(sink_amqp, "amqp", "amqp://guest:guest@127.0.0.1:5672", "outbox.{aggregate_type}.{event_type}",

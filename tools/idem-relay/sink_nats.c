@@ -101,16 +101,6 @@ typedef struct nats_slot
 	char		text[200];		/* the server's reason */
 } nats_slot;
 
-/* one aggregate's run, as send_run queued it */
-typedef struct nats_run
-{
-	int			first;			/* its first slot */
-	int			n;
-	int			confirmed;		/* its events acked: a prefix */
-	sink_result res;			/* SINK_OK while none failed */
-	char		err[256];
-} nats_run;
-
 typedef struct nats_sink
 {
 	nats_link	link;			/* the one-at-a-time publishes use link.js */
@@ -119,7 +109,7 @@ typedef struct nats_sink
 	nats_slot  *slots;
 	int			nslots,
 				slotcap;
-	nats_run   *runs;
+	sink_run   *runs;
 	int			nruns,
 				runcap;
 	int		   *wave;			/* the slots of the wave in flight (runcap long) */
@@ -337,7 +327,7 @@ nats_send_run(void *state, const relay_event *evs, const char *const *targets, i
 		int			slotcap = st->slotcap,
 					runcap = st->runcap;
 		nats_slot  *slots;
-		nats_run   *runs;
+		sink_run   *runs;
 		int		   *wave;
 
 		while (st->nslots + n > slotcap)
@@ -415,7 +405,7 @@ nats_waves(nats_sink *st)
 
 		for (r = 0; r < st->nruns; r++)
 		{
-			nats_run   *run = &st->runs[r];
+			sink_run   *run = &st->runs[r];
 			nats_slot  *sl;
 			natsStatus	s;
 
@@ -446,7 +436,7 @@ nats_waves(nats_sink *st)
 		for (i = 0; i < st->nwave; i++)
 		{
 			nats_slot  *sl = &st->slots[st->wave[i]];
-			nats_run   *run = &st->runs[sl->run];
+			sink_run   *run = &st->runs[sl->run];
 
 			if (sl->done && sl->status == NATS_OK)
 			{
@@ -473,40 +463,29 @@ nats_waves(nats_sink *st)
 			why = "not sent in waves: a third of the lease has gone";
 	}
 	if (why)
-		for (r = 0; r < st->nruns; r++)
-			if (st->runs[r].res == SINK_OK && st->runs[r].confirmed < st->runs[r].n)
-			{
-				st->runs[r].res = why_res;
-				snprintf(st->runs[r].err, sizeof(st->runs[r].err), "%s", why);
-			}
+		sink_runs_fail_rest(st->runs, st->nruns, why_res, why);
+}
+
+/* run the waves (void * for sink_runs_recv) */
+static void
+nats_waves_of(void *state)
+{
+	nats_waves(state);
+}
+
+static void
+nats_reset_of(void *state)
+{
+	nats_reset(state);
 }
 
 static sink_result
 nats_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 {
-	nats_sink  *st = state;
-	nats_run   *run;
-	sink_result res;
+	nats_sink *st = state;
 
-	*confirmed = 0;
-	if (st->nread >= st->nruns)
-	{
-		snprintf(err, errlen, "no run was sent");
-		return SINK_RETRY;
-	}
-	if (!st->waved)
-	{
-		nats_waves(st);
-		st->waved = 1;
-	}
-	run = &st->runs[st->nread++];
-	*confirmed = run->confirmed;
-	res = run->res;
-	if (res != SINK_OK)
-		snprintf(err, errlen, "%s", run->err);
-	if (st->nread == st->nruns)
-		nats_reset(st);
-	return res;
+	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
+						  nats_waves_of, nats_reset_of, confirmed, err, errlen);
 }
 
 SINK_DEFINE_PIPELINED(sink_nats, "nats", "nats://127.0.0.1:4222", "outbox.{aggregate_type}.{event_type}",
