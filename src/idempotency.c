@@ -10,6 +10,7 @@
 #include "idempotency.h"
 
 #include "claims/filters.h"
+#include "claims/groups.h"
 #include "claims/late.h"
 #include "claims/partitions.h"
 #include "common/clock.h"
@@ -31,6 +32,7 @@ _PG_init(void)
 	idem_partitions_init();
 	idem_filters_init();
 	idem_late_init();
+	idem_groups_init();
 	idem_stats_init();
 	idem_guards_init();
 	idem_guard_helpers_init();

@@ -71,3 +71,15 @@ CREATE OR REPLACE TRIGGER late_summaries_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.late_summaries
     FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
 ALTER TABLE idempotency.late_summaries ENABLE ALWAYS TRIGGER late_summaries_changed;
+
+-- Filter groups of sealed partitions (sql/tables/10_groups.sql;
+-- src/claims/groups.c): every backend's list of them is dropped when
+-- maintenance changes them.
+COMMENT ON TABLE idempotency.filter_groups IS
+    'Bloom filters each over the keys of a group of sealed claims partitions, tested before their own (written by maintenance)';
+REVOKE ALL ON idempotency.filter_groups FROM PUBLIC;
+
+CREATE OR REPLACE TRIGGER filter_groups_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.filter_groups
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency.partition_cache_invalidate();
+ALTER TABLE idempotency.filter_groups ENABLE ALWAYS TRIGGER filter_groups_changed;

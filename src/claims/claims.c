@@ -65,6 +65,7 @@
 #include "stats/stats.h"
 #include "claims/partitions.h"
 #include "claims/filters.h"
+#include "claims/groups.h"
 #include "claims/late.h"
 
 #include "access/genam.h"
@@ -508,6 +509,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 		  Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
 	IdemPartition *oldest_open = NULL;
+	bool	   *ruled_out = NULL;
 
 	res->status = PROBE_ABSENT;
 	if (target != NULL && which != PROBE_SEALED &&
@@ -517,9 +519,14 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 		if (!set->parts[i].closed)
 			oldest_open = &set->parts[i];
 	if (which != PROBE_OPEN)
+	{
+		/* a group's filter rules out all its members at once (groups.c) */
+		ruled_out = idem_groups_rule_out(set, ck->hash);
 		for (int i = 0; i < set->nparts; i++)
-			if (set->parts[i].sealed && !idem_partition_expired(set, &set->parts[i], now))
+			if (set->parts[i].sealed && !(ruled_out && ruled_out[i]) &&
+				!idem_partition_expired(set, &set->parts[i], now))
 				idem_filter_prefetch(&set->parts[i], ck->hash);
+	}
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];
@@ -528,8 +535,8 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 			continue;
 		if (p->sealed)
 		{
-			if (which == PROBE_OPEN || idem_partition_expired(set, p, now) ||
-				!idem_filter_maybe(set, p, ck->hash))
+			if (which == PROBE_OPEN || (ruled_out && ruled_out[i]) ||
+				idem_partition_expired(set, p, now) || !idem_filter_maybe(set, p, ck->hash))
 				continue;
 		}
 		else if (which == PROBE_SEALED ||

@@ -26,7 +26,9 @@
  * The summaries of dropped partitions (late.c) are Bloom filters of the
  * same kind, with more bits per key, stored in idempotency.late_summaries
  * and held in the same two places, named by (that table, summary id, row
- * xmin); one that cannot be held is not tested (late.c says so).
+ * xmin); one that cannot be held is not tested (late.c says so).  So are
+ * the filters of groups of sealed partitions (groups.c, in
+ * idempotency.filter_groups), which rule out a group's members at once.
  *
  * Locking rules: the shared area's directory is protected by one LWLock,
  * taken shared to find a filter and exclusive to add or remove one.
@@ -65,6 +67,7 @@
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/hsearch.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
@@ -312,11 +315,14 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 	FilterHeader *hdr;
 	uint8	   *bits;
 	int			cap = 0;
+	int64		nhashes,
+				hashes_cap;
 
 	info->nkeys = 0;
 	info->max_claimed_at = DT_NOBEGIN;
 	info->nholders = 0;
 	info->holders = NULL;
+	info->hashes = NULL;
 	InitDirtySnapshot(dirty);
 
 	/* one pass to size the filter, one to fill it */
@@ -353,17 +359,29 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
 	SET_VARSIZE(result, VARHDRSZ + sizeof(FilterHeader) + nbits / 8);
 	hdr = (FilterHeader *) VARDATA(result);
 	bits = (uint8 *) (hdr + 1);
+	hashes_cap = info->nkeys;
+	info->hashes = palloc_extended((Size) hashes_cap * sizeof(uint64), MCXT_ALLOC_HUGE);
 
 	scan = table_beginscan(rel, &dirty, 0, NULL);
+	nhashes = 0;
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
 		bool		isnull;
 		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_claims_scope, desc, &isnull));
 		text	   *key = DatumGetTextPP(heap_getattr(tup, Anum_claims_key, desc, &isnull));
+		uint64		hash = idem_key_hash(scope, key);
 
-		bloom_add(bits, nbits, idem_key_hash(scope, key), false);
+		bloom_add(bits, nbits, hash, false);
+		/* (no claim can be added meanwhile, but a group must never miss one) */
+		if (nhashes == hashes_cap)
+		{
+			hashes_cap *= 2;
+			info->hashes = repalloc_huge(info->hashes, (Size) hashes_cap * sizeof(uint64));
+		}
+		info->hashes[nhashes++] = hash;
 	}
 	table_endscan(scan);
+	info->nkeys = nhashes;
 
 	hdr->magic = IDEM_FILTER_MAGIC;
 	hdr->nbits = nbits;
@@ -462,11 +480,20 @@ read_stored_slice(IdemPartitionSet *set, IdemPartition *p, int32 offset, int32 l
 {
 	bool		late = OidIsValid(p->filter_source);
 	Relation	rel = table_open(late ? p->filter_source : set->registry_relid, AccessShareLock);
+	AttrNumber	id_att = Anum_registry_relid,
+				bloom_att = Anum_registry_bloom;
 	Snapshot	snap = RegisterSnapshot(GetLatestSnapshot());
 	TableScanDesc scan = table_beginscan(rel, snap, 0, NULL);
 	HeapTuple	tup;
 	bytea	   *stored = NULL;
 
+	/* a summary is a late one or a group's (groups.c): both start with the id */
+	if (late)
+	{
+		id_att = Anum_late_id;
+		bloom_att = strcmp(RelationGetRelationName(rel), "filter_groups") == 0 ?
+			Anum_group_bloom : Anum_late_bloom;
+	}
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
 		bool		isnull;
@@ -474,11 +501,11 @@ read_stored_slice(IdemPartitionSet *set, IdemPartition *p, int32 offset, int32 l
 		Oid			id;
 
 		/* a registry row names its partition; a summary's, its id */
-		d = heap_getattr(tup, late ? Anum_late_id : Anum_registry_relid, RelationGetDescr(rel), &isnull);
+		d = heap_getattr(tup, id_att, RelationGetDescr(rel), &isnull);
 		id = late ? (Oid) DatumGetInt32(d) : DatumGetObjectId(d);
 		if (id != p->relid || HeapTupleHeaderGetRawXmin(tup->t_data) != p->filter_xmin)
 			continue;
-		d = heap_getattr(tup, late ? Anum_late_bloom : Anum_registry_bloom, RelationGetDescr(rel), &isnull);
+		d = heap_getattr(tup, bloom_att, RelationGetDescr(rel), &isnull);
 		/* a copy either way: the buffer is let go */
 		if (!isnull && length < 0)
 			stored = DatumGetByteaPCopy(d);
@@ -698,8 +725,9 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 	LWLockRelease(filter_area->lock);
 	if (!ok && OidIsValid(p->filter_source))
 		ereport(LOG,
-				(errmsg("no room for late-duplicate summary %u in idempotency.filter_memory", p->relid),
-				 errdetail("Late duplicates of the keys it holds are not detected; raise idempotency.filter_memory to avoid it.")));
+				(errmsg("no room for summary %u of %s in idempotency.filter_memory",
+						p->relid, get_rel_name(p->filter_source)),
+				 errdetail("Late duplicates of the keys it holds are not detected, or claims test its partitions one by one; raise idempotency.filter_memory to avoid it.")));
 	else if (!ok)
 		ereport(LOG,
 				(errmsg("no room for the Bloom filter of claims partition %u in idempotency.filter_memory",
@@ -740,7 +768,8 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 			bool		listed = false;
 
 			/*
-			 * a summary's is kept (late.c forgets those it no longer lists),
+			 * a summary's is kept (late.c and groups.c forget those they no
+			 * longer list),
 			 * and so is every partition's when a summary is loaded
 			 */
 			listed = OidIsValid(lf->key.source) || set == NULL;
@@ -835,13 +864,15 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 	{
 		bool		late = OidIsValid(p->filter_source);
 
+		char	   *table = late ? get_rel_name(p->filter_source) : NULL;
+
 		ereport(WARNING,
 				(errcode(ERRCODE_DATA_CORRUPTED),
-				 late ? errmsg("late-duplicate summary %u is damaged", p->relid) :
+				 late ? errmsg("summary %u of idempotency.%s is damaged", p->relid, table) :
 				 errmsg("Bloom filter of claims partition %u is damaged", p->relid),
-				 late ? errdetail("Late duplicates of the keys it holds are not detected.") :
+				 late ? errdetail("It is not used: late duplicates of the keys it holds are not detected, or its partitions are tested one by one.") :
 				 errdetail("Claims look in the partition's index instead."),
-				 late ? errhint("Delete its row from idempotency.late_summaries.") :
+				 late ? errhint("Delete its row from idempotency.%s.", table) :
 				 errhint("Run idem_maintain() after setting bloom to NULL in idempotency.partition_registry to rebuild it.")));
 		p->filter_missing = true;
 	}
@@ -868,9 +899,12 @@ idem_filter_prefetch(IdemPartition *p, uint64 hash)
 	}
 }
 
-/* Test p's filter, loading it first if need be (set: NULL for a summary). */
+/*
+ * Test p's filter, loading it first if need be (set: NULL for a summary;
+ * slices: a summary not in memory may be tested by reading one block).
+ */
 static FilterAnswer
-filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
+filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash, bool slices)
 {
 	for (;;)
 	{
@@ -886,7 +920,7 @@ filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 			if (p->filter_bits != NULL)
 				continue;
 			/* not in memory (yet): a summary's block is read from its table */
-			if (OidIsValid(p->filter_source) && filter_area == NULL && !p->filter_missing)
+			if (slices && OidIsValid(p->filter_source) && filter_area == NULL && !p->filter_missing)
 				return summary_slice_test(p, hash);
 			return FILTER_UNKNOWN;
 		}
@@ -906,7 +940,7 @@ filter_test(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 bool
 idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 {
-	return filter_test(set, p, hash) != FILTER_NO;
+	return filter_test(set, p, hash, false) != FILTER_NO;
 }
 
 /*
@@ -916,7 +950,19 @@ idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash)
 bool
 idem_filter_summary_maybe(IdemPartition *p, uint64 hash)
 {
-	return filter_test(NULL, p, hash) == FILTER_MAYBE;
+	return filter_test(NULL, p, hash, true) == FILTER_MAYBE;
+}
+
+/*
+ * Does the filter of summary p say the key is certainly not there?  False
+ * when its filter is not in memory: unlike idem_filter_summary_maybe(), no
+ * block is read from the table (a group's test saves probes only when it
+ * is cheaper than they are).
+ */
+bool
+idem_filter_summary_excludes(IdemPartition *p, uint64 hash)
+{
+	return filter_test(NULL, p, hash, false) == FILTER_NO;
 }
 
 /*

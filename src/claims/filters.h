@@ -26,6 +26,7 @@ typedef struct IdemSealInfo
 	int			nholders;		/* transactions whose claims there are not
 								 * visible yet (see idem_filter_build) */
 	FullTransactionId *holders; /* their top-level ids */
+	uint64	   *hashes;			/* the keys' hashes (nkeys of them), for groups.c */
 } IdemSealInfo;
 
 extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info);
@@ -35,6 +36,7 @@ extern void idem_filters_forget_others(IdemPartitionSet *set);
 extern bytea *idem_filter_new(uint64 nbits);
 extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n);
 extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash);
+extern bool idem_filter_summary_excludes(IdemPartition *p, uint64 hash);
 extern uint32 idem_filter_stored_nbits(Datum raw);
 extern void idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts,
 										 bool shared);

@@ -69,6 +69,18 @@ enum Anum_late
 };
 #define Natts_late (_Anum_late_max - 1)
 
+/* idempotency.filter_groups */
+enum Anum_group
+{
+	Anum_group_id = 1,
+	Anum_group_members,
+	Anum_group_nkeys,
+	Anum_group_capacity,
+	Anum_group_bloom,
+	_Anum_group_max
+};
+#define Natts_group (_Anum_group_max - 1)
+
 extern Oid	idem_schema_oid(void);
 extern Oid	idem_internal_relid(const char *relname);
 extern Relation idem_open_internal(Oid relid);

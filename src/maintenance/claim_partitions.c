@@ -62,6 +62,7 @@
 #include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "claims/filters.h"
+#include "claims/groups.h"
 #include "claims/late.h"
 #include "claims/partitions.h"
 #include "claims/scopes.h"
@@ -323,6 +324,9 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 5, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
+	/* its keys join a group in the same transaction (groups.c) */
+	if (!v10 && bloom != NULL)
+		idem_groups_add(p->relid, info.hashes, info.nkeys);
 	idem_report_action(r->rep, held ? "hold" : "seal", name);
 	return true;
 }
@@ -848,6 +852,7 @@ idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, Times
 	r.set = idem_partition_set_fresh();
 	drop_expired(&r, before);
 	idem_filters_forget_others(idem_partition_set_fresh());
+	idem_groups_expire();
 	expired = idem_late_expire(now);
 	if (expired > 0)
 		idem_report_action(rep, "expire", psprintf("%d late-duplicate summar%s", expired,
