@@ -487,12 +487,14 @@ read_stored_slice(IdemPartitionSet *set, IdemPartition *p, int32 offset, int32 l
 	HeapTuple	tup;
 	bytea	   *stored = NULL;
 
-	/* a summary is a late one or a group's (groups.c): both start with the id */
+	/*
+	 * a summary's table (late.c's or groups.c's) starts with the id and
+	 * names its filter "bloom"
+	 */
 	if (late)
 	{
 		id_att = Anum_late_id;
-		bloom_att = strcmp(RelationGetRelationName(rel), "filter_groups") == 0 ?
-			Anum_group_bloom : Anum_late_bloom;
+		bloom_att = get_attnum(p->filter_source, "bloom");
 	}
 	while ((tup = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{
@@ -801,6 +803,38 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 	p->filter_bits = lf->bits;
 	p->filter_nbits = lf->nbits;
 	return true;
+}
+
+/*
+ * Read summary table relid (late.c's, groups.c's) for a backend's list of
+ * its summaries: read() is called with the table under AccessShareLock and
+ * the latest snapshot, after cxt is reset, and again if *invals moved
+ * meanwhile (an invalidation of the table arrived during the read).
+ * Returns false, having called nothing, if there is no such table (a
+ * database still at version 1.0).
+ */
+bool
+idem_summaries_read(Oid relid, MemoryContext cxt, const uint64 *invals,
+					IdemSummariesReader read)
+{
+	for (;;)
+	{
+		Relation	rel;
+		Snapshot	snap;
+		uint64		seen;
+
+		MemoryContextReset(cxt);
+		rel = OidIsValid(relid) ? try_table_open(relid, AccessShareLock) : NULL;
+		if (rel == NULL)
+			return false;
+		seen = *invals;
+		snap = RegisterSnapshot(GetLatestSnapshot());
+		read(rel, snap, cxt);
+		UnregisterSnapshot(snap);
+		table_close(rel, AccessShareLock);
+		if (seen == *invals)
+			return true;		/* else it changed while we read: read again */
+	}
 }
 
 /*---- lookups ----*/

@@ -158,43 +158,33 @@ group_filters(FilterGroup *g, int n)
 	return parts;
 }
 
+static void
+groups_read(Relation rel, Snapshot snap, MemoryContext cxt)
+{
+	groups_n = read_groups(rel, snap, cxt, &groups);
+}
+
 /* (Re)build this backend's list of groups. */
 static void
 groups_build(void)
 {
+	bool		read;
+
 	groups_relid = filter_groups_relid();
 	groups_mapped = false;
-	for (;;)
+	if (groups_cxt == NULL)
+		groups_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency filter groups",
+										   ALLOCSET_SMALL_SIZES);
+	read = idem_summaries_read(groups_relid, groups_cxt, &groups_invals, groups_read);
+	groups_valid = true;
+	if (!read)
 	{
-		Relation	rel;
-		Snapshot	snap;
-		uint64		invals;
-
-		if (groups_cxt == NULL)
-			groups_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency filter groups",
-											   ALLOCSET_SMALL_SIZES);
-		else
-			MemoryContextReset(groups_cxt);
-		groups_n = 0;
+		groups_n = 0;			/* no table: nothing to look at */
 		groups = NULL;
-		rel = OidIsValid(groups_relid) ? try_table_open(groups_relid, AccessShareLock) : NULL;
-		if (rel == NULL)
-		{
-			groups_valid = true;	/* no table: nothing to look at */
-			return;
-		}
-		invals = groups_invals;
-		snap = RegisterSnapshot(GetLatestSnapshot());
-		groups_n = read_groups(rel, snap, groups_cxt, &groups);
-		UnregisterSnapshot(snap);
-		table_close(rel, AccessShareLock);
-		if (invals != groups_invals)
-			continue;			/* changed while we read: read again */
-		groups_valid = true;
-		/* this backend's copies of groups gone or rewritten are freed */
-		idem_filters_forget_unlisted(groups_relid, group_filters(groups, groups_n), groups_n, false);
 		return;
 	}
+	/* this backend's copies of groups gone or rewritten are freed */
+	idem_filters_forget_unlisted(groups_relid, group_filters(groups, groups_n), groups_n, false);
 }
 
 /* Where each group's members are in set: those the set shows sealed. */

@@ -166,43 +166,33 @@ read_summaries(Relation rel, Snapshot snap, MemoryContext cxt, IdemPartition **p
 	return n;
 }
 
+static void
+late_read(Relation rel, Snapshot snap, MemoryContext cxt)
+{
+	late_n = read_summaries(rel, snap, cxt, &late_parts, &late_times);
+}
+
 /* (Re)build this backend's list of summaries. */
 static void
 late_build(void)
 {
-	late_relid = summaries_relid();
-	for (;;)
-	{
-		Relation	rel;
-		Snapshot	snap;
-		uint64		invals;
+	bool		read;
 
-		if (late_cxt == NULL)
-			late_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency late summaries",
-											 ALLOCSET_SMALL_SIZES);
-		else
-			MemoryContextReset(late_cxt);
-		late_n = 0;
+	late_relid = summaries_relid();
+	if (late_cxt == NULL)
+		late_cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency late summaries",
+										 ALLOCSET_SMALL_SIZES);
+	read = idem_summaries_read(late_relid, late_cxt, &late_invals, late_read);
+	late_valid = true;
+	if (!read)
+	{
+		late_n = 0;				/* no table: nothing to look at */
 		late_parts = NULL;
 		late_times = NULL;
-		rel = OidIsValid(late_relid) ? try_table_open(late_relid, AccessShareLock) : NULL;
-		if (rel == NULL)
-		{
-			late_valid = true;	/* no table: nothing to look at */
-			return;
-		}
-		invals = late_invals;
-		snap = RegisterSnapshot(GetLatestSnapshot());
-		late_n = read_summaries(rel, snap, late_cxt, &late_parts, &late_times);
-		UnregisterSnapshot(snap);
-		table_close(rel, AccessShareLock);
-		if (invals != late_invals)
-			continue;			/* changed while we read: read again */
-		late_valid = true;
-		/* this backend's copies of summaries gone or rewritten are freed */
-		idem_filters_forget_unlisted(late_relid, late_parts, late_n, false);
 		return;
 	}
+	/* this backend's copies of summaries gone or rewritten are freed */
+	idem_filters_forget_unlisted(late_relid, late_parts, late_n, false);
 }
 
 /*
