@@ -37,7 +37,7 @@ typedef struct IdemSettings
  * Most partitions a configuration may keep live (retention / interval +
  * premake + 1): every claim consults each live sealed partition's filter.
  */
-#define IDEM_MAX_LIVE_PARTITIONS	100
+#define IDEM_MAX_LIVE_PARTITIONS	400
 
 extern IdemSettings idem_read_settings(Snapshot snap);
 extern IdemSettings idem_settings_from_scan(Relation rel, Snapshot snap);
