@@ -35,7 +35,10 @@ typedef struct IdemSettings
 
 /*
  * Most partitions a configuration may keep live (retention / interval +
- * premake + 1): every claim consults each live sealed partition's filter.
+ * premake + 1): a claim tests one filter per group of sealed partitions
+ * (groups.c), so its cost still grows with them, slowly; beside 400 the
+ * extension's share of a new key's claim is about twice its share beside 8
+ * (doc/benchmarks.md, "Many sealed partitions").
  */
 #define IDEM_MAX_LIVE_PARTITIONS	400
 
