@@ -356,11 +356,23 @@ idem_groups_add(Oid relid, const uint64 *hashes, int64 n)
 	bool		found;
 	int32		id = 1;
 	int64		capacity;
+	int64		max_keys;
 	bytea	   *bloom = NULL;
 	Oid			types[5] = {INT4OID, OIDOID, INT8OID, INT8OID, BYTEAOID};
 	Datum		values[5];
 
 	if (n == 0 || !OidIsValid(filter_groups_relid()))
+		return;
+
+	/*
+	 * A group's filter must fit in a quarter of what a backend without the
+	 * preload may hold (idempotency.local_filter_memory, as this session has
+	 * it: the worker's is the server's), or such backends could never load
+	 * it.  A partition too big to share one is left to be tested alone.
+	 */
+	max_keys = (int64) (idem_filter_local_budget() / IDEM_GROUP_BUDGET_SHARE) * 8 /
+		IDEM_GROUP_BITS_PER_KEY;
+	if (n > max_keys)
 		return;
 	idem_spi_exec("SELECT id, nkeys, capacity, pg_catalog.cardinality(members), bloom"
 				  " FROM idempotency.filter_groups ORDER BY id DESC LIMIT 1",
@@ -387,6 +399,7 @@ idem_groups_add(Oid relid, const uint64 *hashes, int64 n)
 		/* sized for a group of partitions like this one */
 		capacity = Max((int64) IDEM_GROUP_MIN_CAPACITY, n * IDEM_GROUP_MAX_MEMBERS);
 		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_GROUP_BITS_PER_KEY));
+		capacity = Min(capacity, max_keys);
 		capacity = Max(capacity, n);
 		bloom = idem_filter_new((uint64) capacity * IDEM_GROUP_BITS_PER_KEY);
 	}

@@ -44,6 +44,33 @@ DELETE FROM idempotency.filter_groups WHERE id = (SELECT max(id) FROM idempotenc
 SELECT count(*) FILTER (WHERE idem_claim('cap' || h || '-' || i, 'cap')) AS claimed_again_loose
   FROM generate_series(16, 19) h, generate_series(1, CASE WHEN h = 17 THEN 1100 ELSE 10 END) i;
 
+-- A group's filter fits a quarter of idempotency.local_filter_memory as the
+-- sealing session has it (64kB: 16 kB, 13 107 keys): a partition of 20 000
+-- keys is left out of every group, one of 5 000 starts a group of that
+-- capacity; the keys of both are still found.
+SET idempotency.local_filter_memory = '64kB';
+SET idempotency.debug_clock_offset = '23h';
+SELECT count(*) >= 0 AS ran FROM idem_maintain();
+SELECT count(*) FILTER (WHERE idem_claim('big-' || i, 'cap')) AS big FROM generate_series(1, 20000) i;
+SET idempotency.debug_clock_offset = '24h';
+SELECT count(*) >= 0 AS ran FROM idem_maintain();
+SELECT count(*) FILTER (WHERE idem_claim('mid-' || i, 'cap')) AS mid FROM generate_series(1, 5000) i;
+SET idempotency.debug_clock_offset = '27h';
+SELECT count(*) >= 0 AS ran FROM idem_maintain();
+SELECT count(*) >= 0 AS ran FROM idem_maintain();
+RESET idempotency.local_filter_memory;
+SELECT cardinality(members) AS members, nkeys, capacity
+  FROM idempotency.filter_groups ORDER BY id DESC LIMIT 1;
+SELECT count(*) AS sealed_alone
+  FROM idempotency.partition_registry r
+ WHERE r.sealed AND r.nkeys = 20000
+   AND NOT EXISTS (SELECT FROM idempotency.filter_groups g WHERE r.relid = ANY (g.members));
+SELECT count(*) FILTER (WHERE idem_claim('big-' || i, 'cap')) AS big_again,
+       count(*) FILTER (WHERE idem_claim('mid-' || i, 'cap')) AS mid_again
+  FROM generate_series(1, 5000) i;
+SELECT count(*) FILTER (WHERE idem_claim('cap-new2-' || i, 'cap')) AS new_keys
+  FROM generate_series(1, 500) i;
+
 RESET idempotency.debug_clock_offset;
 SET client_min_messages = warning;
 DROP EXTENSION idempotency CASCADE;
