@@ -59,6 +59,19 @@
  *	- begin() with on_conflict 'return' takes these locks in its
  *	  subtransaction: rolled back (in_progress), it releases them at once;
  *	  otherwise they pass to the caller's transaction, as without it.
+ *	- The row is read, locked and updated without the executor (as the
+ *	  outbox moves its counters): idempotency.requests is locked as a
+ *	  statement on it would lock it (AccessShareLock to look, RowShareLock
+ *	  to fence, RowExclusiveLock to change), which holds off a partition's
+ *	  drop, and its attached partitions are probed one by one through their
+ *	  (scope, key) index, each locked the same way, the one a row begun now
+ *	  goes into first (or the one the row was seen in), so a call nearly
+ *	  always touches one partition.  Looks and locks follow SELECT and
+ *	  SELECT FOR SHARE, updates UPDATE: a row changed since the snapshot is
+ *	  followed to its newest version and its condition checked again at
+ *	  READ COMMITTED, and is 40001 under a transaction snapshot.  Triggers,
+ *	  rules and row-level security on the partitions are not applied (as
+ *	  for the rows inserted, rows.c).
  *
  *-------------------------------------------------------------------------
  */
@@ -368,15 +381,15 @@ find_part(RequestKey *rk, LOCKMODE mode, Oid first, RequestPart *p)
 {
 	Snapshot	snap = GetActiveSnapshot();
 	PartitionDesc pd;
-	Oid			parent;
-	Oid			target;
 	bool		first_is_part = false;
 
-	(void) idem_store_target(IDEM_STORE_REQUESTS, idem_now(), &target, &parent);
-	if (!OidIsValid(first))
-		first = target;
-	p->parent = table_open(parent, mode);
+	/* the partitions attached now: those a statement on the parent would see */
+	p->parent = table_open(idem_internal_relid("requests"), mode);
 	pd = RelationGetPartitionDesc(p->parent, true);
+	if (pd->nparts == 0)
+		return false;
+	if (!OidIsValid(first))
+		(void) idem_store_target(IDEM_STORE_REQUESTS, idem_now(), &first, NULL);
 	for (int i = 0; i < pd->nparts; i++)
 		if (pd->oids[i] == first)
 			first_is_part = true;
