@@ -94,6 +94,7 @@
 #include "access/tableam.h"
 #include "access/xact.h"
 #include "catalog/pg_am.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "common/sha2.h"
@@ -261,14 +262,10 @@ no_response(RequestRow *row)
 /*---- the row, partition by partition ----*/
 
 /*
- * The key's row is found, locked and changed without the executor: a
- * statement on the parent would lock and probe every partition (its generic
- * plan cannot prune them, the row's bucket not being known).  The parent is
- * locked as such a statement would lock it, and its partitions are read from
- * its partition descriptor, so none is missed; each is probed through its
- * (scope, key) index, the one a row begun now goes into first (or the one
- * the row was seen in): nearly every call finds the row there and opens no
- * other partition.
+ * Found, locked and changed without the executor (see the last locking rule
+ * of the banner): a statement on the parent locks and probes every
+ * partition, its generic plan unable to prune them (the row's bucket is not
+ * known to the caller).
  */
 
 /* columns of idempotency.requests (request_columns), from 0 */
@@ -301,6 +298,9 @@ open_part(Oid relid, LOCKMODE mode, RequestPart *p)
 	p->rel = try_table_open(relid, mode);
 	if (p->rel == NULL)
 		return false;
+	/* rows are read and written as heap tuples */
+	if (p->rel->rd_rel->relkind != RELKIND_RELATION || p->rel->rd_rel->relam != HEAP_TABLE_AM_OID)
+		elog(ERROR, "requests partition \"%s\" is not a heap table", RelationGetRelationName(p->rel));
 	desc = RelationGetDescr(p->rel);
 	for (int i = 0; i < Natts_requests; i++)
 		if (desc->natts != Natts_requests || TupleDescAttr(desc, i)->attisdropped ||
