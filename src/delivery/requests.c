@@ -300,7 +300,8 @@ open_part(Oid relid, LOCKMODE mode, RequestPart *p)
 		return false;
 	/* rows are read and written as heap tuples */
 	if (p->rel->rd_rel->relkind != RELKIND_RELATION || p->rel->rd_rel->relam != HEAP_TABLE_AM_OID)
-		elog(ERROR, "requests partition \"%s\" is not a heap table", RelationGetRelationName(p->rel));
+		elog(ERROR, "requests partition \"%s\" is not a heap table",
+			 RelationGetRelationName(p->rel));
 	desc = RelationGetDescr(p->rel);
 	for (int i = 0; i < Natts_requests; i++)
 		if (desc->natts != Natts_requests || TupleDescAttr(desc, i)->attisdropped ||
@@ -473,7 +474,8 @@ find_row(RequestKey *rk, RequestRow *row)
 	bool		found;
 
 	CommandCounterIncrement();
-	PushActiveSnapshot(IsolationUsesXactSnapshot() ? GetLatestSnapshot() : GetTransactionSnapshot());
+	PushActiveSnapshot(IsolationUsesXactSnapshot() ?
+					   GetLatestSnapshot() : GetTransactionSnapshot());
 	UpdateActiveSnapshotCommandId();
 	found = find_part(rk, AccessShareLock, InvalidOid, &p);
 	if (!found || !read_slot(&p, rk, row))
@@ -580,7 +582,8 @@ row_matches(RowChange *ch, RequestKey *rk, Datum *v, bool *n)
 			return DatumGetInt32(v[C_BUCKET]) == ch->seen->bucket &&
 				attempt == ch->seen->attempt &&
 				strcmp(status, status_names[ch->seen->status]) == 0 &&
-				(!started || (!n[C_LEASE_UNTIL] && DatumGetTimestampTz(v[C_LEASE_UNTIL]) <= ch->now));
+				(!started ||
+				 (!n[C_LEASE_UNTIL] && DatumGetTimestampTz(v[C_LEASE_UNTIL]) <= ch->now));
 	}
 	return false;
 }
@@ -1399,7 +1402,8 @@ idem_request_complete(PG_FUNCTION_ARGS)
 	set_column(&ch, C_RESPONSE_STATUS, PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4),
 			   PG_ARGISNULL(4));
 	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(idem_now()), false);
-	set_column(&ch, C_RESPONSE_BODY, PG_ARGISNULL(5) ? (Datum) 0 : PointerGetDatum(PG_GETARG_TEXT_PP(5)),
+	set_column(&ch, C_RESPONSE_BODY,
+			   PG_ARGISNULL(5) ? (Datum) 0 : PointerGetDatum(PG_GETARG_TEXT_PP(5)),
 			   PG_ARGISNULL(5));
 	set_column(&ch, C_RESPONSE_HEADERS, PG_ARGISNULL(6) ? (Datum) 0 :
 			   JsonbPGetDatum(request_headers(PG_GETARG_JSONB_P(6))), PG_ARGISNULL(6));
