@@ -76,6 +76,24 @@ sub max_live_leases
 	return $max;
 }
 
+# --- the event's JSON, built by the relay: byte for byte what jsonb gives
+# (keys in jsonb's order, strings escaped as jsonb escapes them), also for
+# names with quotes, backslashes, control characters and non-ASCII
+# (not in table emitted: it goes to stdout, not to table got)
+my $weird = $node->safe_psql($db, q{
+SELECT e.id FROM idem_outbox_emit('we"ird' || chr(92) || chr(10) || chr(9) || chr(8) || chr(12) || chr(13) || chr(1) || chr(31),
+  'agg ' || chr(233) || chr(20013) || ' "q"', 'ev/' || chr(92) || 'x',
+  '{"a": [1, 2.50, null, "s\\u0001x"], "b": {"c": true}}', '{"h": "v"}') e});
+my $want = $node->safe_psql($db, qq{SELECT jsonb_build_object('id', e.id, 'aggregate_type', e.aggregate_type,
+  'aggregate_id', e.aggregate_id, 'seq', e.seq, 'event_type', e.event_type, 'payload', e.payload,
+  'headers', e.headers, 'created_at', e.created_at, 'attempts', 1)::text
+  FROM idempotency.outbox_events e WHERE e.id = '$weird'});
+my ($out, $err);
+IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--once' ],
+	'<', \undef, '>', \$out, '2>', \$err, IPC::Run::timeout(60));
+is($?, 0, 'stdout --once: exit 0');
+is($out, "$want\n", "the event's JSON is jsonb's, byte for byte") or diag($err);
+
 # --- two batches in hand, and SIGTERM with them
 emit(20, 20, 'o');		# 400 events, 20 aggregates
 my $relay = start_relay($node, "$tmp/relay1.out", @sink);
@@ -96,7 +114,6 @@ ok(stop_relay($relay), '--prefetch 0: SIGTERM, exit 0');
 is(live_leases(), '0', '--prefetch 0: no lease left after SIGTERM');
 
 # --once drains all, in order (the same run checked with check_arrivals below)
-my ($out, $err);
 IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--once', '-v', '--batch', '20', @sink ],
 	'<', \undef, '>', \$out, '2>', \$err, IPC::Run::timeout(120));
 is($?, 0, '--once exits 0');
