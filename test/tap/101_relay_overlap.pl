@@ -7,7 +7,8 @@
 # left (the rest of the batch and the prefetched one given back, claimable
 # at once); --once exits only when nothing is left, also when one
 # aggregate's events span several batches (a claim beside a leased batch
-# comes back empty without meaning that); the relay killed with SIGKILL
+# comes back empty without meaning that); a batch longer than the lease
+# keeps both leases; the relay killed with SIGKILL
 # with two batches in hand and the server restarted mid-overlap: every
 # event arrives, first arrivals per aggregate in seq order, duplicates at
 # most two batches per loss.
@@ -127,6 +128,21 @@ IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--once', '-v', '
 is($?, 0, '--once, one aggregate over 4 batches: exit 0');
 is(pending(), '0', '... when nothing is left: a claim beside a leased batch that came back empty is not the end');
 is(scalar(() = $err =~ /msg="batch done"/g), 4, '... in 4 batches (20 20 20 10)');
+
+# a sink slower than the lease: both batches' leases are extended (the
+# prefetched one, claimed with the first, would expire before its turn):
+# 3 aggregates of 20 events, a batch each, 0.2 s an event, so 4 s a batch
+# under a 3 s lease
+emit(3, 20, 'slow');
+IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, $db), '--once', '-v', '--batch', '20',
+		'--lease', '3', '--timeout', '1', '--sink', 'sql', '--sql',
+		'INSERT INTO got (id, ev) SELECT $2, $1 FROM pg_catalog.pg_sleep(0.2)' ],
+	'<', \undef, '>', \$out, '2>', \$err, IPC::Run::timeout(120));
+is($?, 0, 'a batch longer than the lease: --once exits 0');
+is(pending(), '0', '... with everything delivered');
+unlike($err, qr/lease|marked fewer/, '... no lease lost, no ack short: both leases were extended');
+is($node->safe_psql($db, q{SELECT count(*) - count(DISTINCT id) FROM got WHERE ev->>'aggregate_id' LIKE 'slow%'}),
+	'0', '... and no event twice');
 
 # --- SIGKILL with two batches in hand, then the server restarted mid-overlap
 emit(20, 25, 'k');		# 500 more

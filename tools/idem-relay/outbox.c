@@ -1181,6 +1181,9 @@ done:
 out:
 	if (sink.open)
 		ops->close(sink.state);
+	/* the acks in flight settled before the connection closes */
+	if (db.conn && !db.lost)
+		(void) db_collect(&db, NULL);
 	db_close(&db);
 	batch_clear(cur);
 	batch_clear(next);
