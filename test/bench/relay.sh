@@ -19,6 +19,9 @@
 #           into a table of this database, on the sink's own connection).
 #           After each run the broker must hold exactly the events (XLEN,
 #           stream and queue counts, POSTs counted, rows).
+#   SINK_serial  the same with --prefetch 0 (claim, publish, ack in
+#           series), for stdout, redis and nats: what the overlap of the
+#           database and the sink gains, in the same run.
 # The brokers, started here on 127.0.0.1 and free ports, in the temporary
 # directory: redis-server (no persistence), nats-server -js (file store),
 # rabbitmq-server (a private node, as test/tap/RelayTest.pm's rabbit_node),
@@ -142,6 +145,7 @@ run_drain() {
         -f "$bench_dir/outbox_relay_idem.sql" >/dev/null
 }
 run_stdout() { relay; }
+run_stdout_serial() { relay --prefetch 0; }
 
 # --- redis
 redis_port=''
@@ -155,11 +159,13 @@ else
     pids+=($!)
     wait_for 10 redis-cli -p "$redis_port" PING || { echo "relay.sh: redis-server did not start" >&2; exit 1; }
 fi
-run_redis() { relay --sink redis --url "redis://127.0.0.1:$redis_port" --target bench; }
+run_redis() { relay --sink redis --url "redis://127.0.0.1:$redis_port" --target bench "$@"; }
 check_redis() {
     expect_count "$EVENTS" redis-cli -p "$redis_port" XLEN bench
     redis-cli -p "$redis_port" DEL bench >/dev/null
 }
+run_redis_serial() { run_redis --prefetch 0; }
+check_redis_serial() { check_redis; }
 # redis-benchmark XADD of an event-sized field, PIPE commands in flight
 xadd() {
     redis-benchmark -p "$redis_port" -c 1 -P "$1" -n "$EVENTS" -q XADD benchx '*' payload "$(cat "$tmp/event.json")" |
@@ -183,8 +189,10 @@ else
     # the stream capturing the subject the relay publishes to
     "$bp" nats-stream "$nats_url" BENCH bench >/dev/null
 fi
-run_nats() { relay --sink nats --url "$nats_url" --target bench; }
+run_nats() { relay --sink nats --url "$nats_url" --target bench "$@"; }
 check_nats() { expect_count "$EVENTS" "$bp" nats-stream "$nats_url" BENCH bench; }
+run_nats_serial() { run_nats --prefetch 0; }
+check_nats_serial() { check_nats; }
 nats_rate() {
     "$bp" nats "$nats_url" bench "$EVENTS" "$@" <"$tmp/event.json"
     check_nats
@@ -285,13 +293,16 @@ for round in $(seq "$ROUNDS"); do
     line=''
     record drain timed drain
     record stdout timed stdout
+    record stdout_serial timed stdout_serial
     if [[ -n $redis_port ]]; then
         record redis timed redis
+        record redis_serial timed redis_serial
         record xadd xadd 1
         record xadd_p100 xadd 100
     fi
     if [[ -n $nats_url ]]; then
         record nats timed nats
+        record nats_serial timed nats_serial
         record js_pub nats_rate
         record js_pub_w100 nats_rate 100
         record js_pub_all nats_rate "$EVENTS"
@@ -322,6 +333,11 @@ ratio() {
 ratio "relay stdout" "idem-relay stdout" stdout "drain alone" drain
 for s in redis nats amqp http sql; do
     [[ " ${names[*]} " == *" $s "* ]] && ratio "relay $s" "idem-relay $s" "$s" "drain alone" drain
+done
+ratio "relay stdout overlap vs serial" "idem-relay stdout" stdout "idem-relay stdout --prefetch 0" stdout_serial
+for s in redis nats; do
+    [[ " ${names[*]} " == *" $s "* ]] &&
+        ratio "relay $s overlap vs serial" "idem-relay $s" "$s" "idem-relay $s --prefetch 0" "${s}_serial"
 done
 if [[ " ${names[*]} " == *" redis "* ]]; then
     ratio "relay redis vs broker" "idem-relay redis" redis "redis-benchmark XADD" xadd

@@ -49,6 +49,8 @@ static const option_def options[] = {
 	{"subscription", 0, O_STRING, OFF(subscription), "NAME",
 	"the outbox subscription to deliver (default: default); one relay process per subscription and sink"},
 	{"batch", 'b', O_INT, OFF(batch), "N", "events per claim (default 100)"},
+	{"prefetch", 0, O_INT, OFF(prefetch), "0|1",
+	"1 (default): claim the next batch and ack the last while this one is published; 0: claim, publish, ack in series"},
 	{"lease", 'l', O_SECONDS, OFF(lease), "SECONDS", "lease of a claim, extended while a slow sink works (default 30)"},
 	{"poll", 'p', O_SECONDS, OFF(poll), "SECONDS", "claim again after this long when idle (default 1)"},
 	{"listen", 'L', O_FLAG, OFF(listen), NULL, "LISTEN idempotency_outbox: claim as soon as an emit commits"},
@@ -115,7 +117,8 @@ usage(FILE *out)
 			"environment, then the file.\n\n"
 			"Sinks compiled in: %s\n"
 			"Sources compiled in: %s\n\n"
-			"SIGTERM or SIGINT: finish the event in hand, ack what was published, exit 0\n"
+			"SIGTERM or SIGINT: finish the event in hand, ack what was published, give\n"
+			"the rest back (claimable at once), exit 0\n"
 			"(inbound: store the batch in hand, ack it, answer waiting webhooks 503).\n"
 			"Exit status: 0 stopped (or --once found nothing more), 1 --once and the\n"
 			"database failed, 2 bad configuration.\n",
@@ -321,6 +324,8 @@ check(relay_config *cfg, int sink_given)
 		config_error("unknown sink \"%s\" (compiled in: %s)", cfg->sink, sink_names());
 	if (cfg->batch < 1)
 		config_error("--batch must be at least 1%s%s", "", "");
+	if (cfg->prefetch != 0 && cfg->prefetch != 1)
+		config_error("--prefetch must be 0 or 1%s%s", "", "");
 	if (cfg->lease < 1)
 		config_error("--lease must be at least 1 second%s%s", "", "");
 	if (cfg->poll <= 0 || cfg->timeout <= 0)
@@ -364,6 +369,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->metrics_listen = "";
 	cfg->log_format = "logfmt";
 	cfg->batch = 100;
+	cfg->prefetch = 1;
 	cfg->lease = 30;
 	cfg->poll = 1;
 	cfg->timeout = 10;

@@ -57,6 +57,7 @@ typedef struct relay_config
 	double		nack_retry_after;	/* seconds; < 0: the extension's backoff */
 	int			listen;			/* LISTEN idempotency_outbox */
 	int			once;			/* exit when a claim returns nothing */
+	int			prefetch;		/* 1: claim the next batch while this one is published */
 	int			verbose;
 	/* inbound (--in) */
 	const char *source;			/* the inbox source name (default: the --in name) */
