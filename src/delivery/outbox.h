@@ -36,6 +36,9 @@
 /* deliveries rows a relay makes in one transaction, at most */
 #define OUTBOX_MAX_NEW_ROWS		1024
 
+/* emit locks a transaction takes, at most (then one lock for all: outbox_emit.c) */
+#define OUTBOX_MAX_EMIT_LOCKS	512
+
 /* how often a relay writes its cursor back */
 #define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
 
@@ -76,8 +79,7 @@ extern int	outbox_mode;
 
 typedef enum
 {
-	ST_EMIT_SEQ,
-	ST_RESERVE,
+	ST_WAL_SEQ,
 	ST_CURSOR_READ,
 	ST_CURSOR_MAKE,
 	ST_CURSOR_WRITE,
@@ -186,6 +188,7 @@ extern bool outbox_subscription_covers(const OutboxSubscription *sub, const char
 /*---- wake-ups (outbox_emit.c) ----*/
 
 extern void outbox_xact_callback(XactEvent event, void *arg);
+extern bool outbox_emits_idle(const char *type, const char *id);
 extern void outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 									SubTransactionId parentSubid, void *arg);
 
