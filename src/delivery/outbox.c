@@ -9,13 +9,13 @@
  * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):
- *	- outbox_sequences: per aggregate, the seq of its newest event (and of
- *	  its newest stored and unstored one, for the backlog).  An emit
- *	  increments it (outbox_emit.c moves an existing counter on directly,
- *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
- *	  UPDATE for the aggregate's first event) and so holds its row lock to
- *	  commit: emits to one aggregate serialise, seq follows commit order,
- *	  and a rollback takes its number back (no gaps).  An emit writes
+ *	- outbox_sequences: per aggregate, the seqs no event row carries (of
+ *	  'wal' emits, and those whose rows retention dropped).  An emit takes
+ *	  its aggregate's emit lock (an advisory lock on a hash of the
+ *	  aggregate, to commit) and continues from the newest seq of the
+ *	  aggregate's rows or counter (outbox_emit.c): emits to one aggregate
+ *	  serialise, seq follows commit order, and a rollback takes its number
+ *	  back with its row (no gaps).  A table-mode emit writes its row and
  *	  nothing else, however many subscriptions read the log.
  *	- outbox_deliveries: per subscription and aggregate, acked_seq
  *	  (delivered up to here), the lease, attempts of the head event,
@@ -46,12 +46,14 @@
  *	  scans.
  *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
  *	  was redriven has retry_at set and is found through the partial index
- *	  on retry_at instead, until it has nothing pending.  Unparking reads
- *	  the newest stored seq under FOR SHARE SKIP LOCKED: with an emit in
- *	  flight (the row is locked) it does not unpark, and leaves the
- *	  aggregate due now instead (the next claim looks again), so it never
- *	  waits for an emitter (which may be a prepared transaction) and never
- *	  leaves a new event behind the cursor.
+ *	  on retry_at instead, until it has nothing pending.  Unparking takes
+ *	  the aggregate's emit lock only if it is free at once
+ *	  (outbox_emits_idle()), and then reads the newest stored seq: with an
+ *	  emit in flight it does not unpark, and leaves the aggregate due now
+ *	  instead (the next claim looks again), so it never waits for an
+ *	  emitter (which may be a prepared transaction) and never leaves a new
+ *	  event behind the cursor; holding the lock, the next emit waits for
+ *	  its commit.
  *
  * Delivery states.  Every state of a deliveries row has a way out, and the
  * CHECK constraints on the table keep out those that would not:
@@ -69,20 +71,23 @@
  *	  lease ends, however it ends (CHECK: only beside a lease).
  *
  * Locking rules:
- *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
- *	  takes those rows in sorted order before writing anything, so two
- *	  batches never wait on each other in a cycle.
+ *	- emit: outbox_sequences in RowExclusiveLock, then the aggregate's emit
+ *	  lock, to commit.  emit_many takes its aggregates' locks in one order
+ *	  (by hash) before writing anything, so two batches never wait on each
+ *	  other in a cycle; a batch that would take more than
+ *	  OUTBOX_MAX_EMIT_LOCKS takes outbox_sequences in ExclusiveLock
+ *	  instead.
  *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
  *	  never waits for another relay; an aggregate locked by one is left to
  *	  it.  A relay makes a missing row only under conditional locks (see
  *	  outbox_ensure_deliveries()), and leaves the aggregate to whoever
  *	  holds them, so it never waits on another's insert either.  ack,
  *	  nack, redrive and discard lock rows (waiting) in sorted order, and
- *	  before they make rows the subscription's rows lock (waiting).  Relays never lock outbox_sequences except to unpark (FOR
- *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
- *	  emitter), and emitters never lock outbox_deliveries, so emitters and
- *	  relays never deadlock.  An emitter may wait for the commit of a relay
- *	  that just unparked its aggregate (the relay's share lock).
+ *	  before they make rows the subscription's rows lock (waiting).  Relays take emit locks only to unpark (only if free at
+ *	  once, after their deliveries row: they never wait for an emitter),
+ *	  and emitters never lock outbox_deliveries, so emitters and relays
+ *	  never deadlock.  An emitter may wait for the commit of a relay that
+ *	  just unparked its aggregate (the relay holds its emit lock).
  *	- the cursor row is written with SKIP LOCKED: a busy row means another
  *	  relay is moving it.
  *

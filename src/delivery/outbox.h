@@ -2,11 +2,11 @@
  *
  * outbox.h
  *	  What the files of the outbox share, and they only: outbox.c (settings,
- *	  statements, a deliveries row's states), outbox_emit.c (emit and
- *	  wake-ups), outbox_lease.c (idem_outbox_claim: parked aggregates, the
- *	  cursor, candidates), outbox_settle.c (ack, nack, extend, redrive,
- *	  discard) and outbox_subscriptions.c (subscribe, unsubscribe, the
- *	  subscription a call works for).  outbox.c's banner describes the whole.
+ *	  statements, a deliveries row's states), outbox_emit.c (emit, emit
+ *	  locks and wake-ups), outbox_lease.c (idem_outbox_claim: parked
+ *	  aggregates, the cursor, candidates), outbox_settle.c (ack, nack,
+ *	  extend, redrive, discard) and outbox_subscriptions.c (subscribe,
+ *	  unsubscribe, the subscription a call works for).  outbox.c's banner describes the whole.
  *
  *-------------------------------------------------------------------------
  */

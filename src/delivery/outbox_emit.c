@@ -34,12 +34,14 @@
 
 #include "access/genam.h"
 #include "access/htup_details.h"
+#include "access/relation.h"
 #include "access/heapam.h"
 #include "access/relscan.h"
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/transam.h"
 #include "access/xact.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "commands/async.h"
@@ -511,6 +513,33 @@ events_seq_index(Relation heap)
 	return found;
 }
 
+/*
+ * The seq index of an events partition, opened with AccessShareLock; one
+ * remembered that is gone or changed (REINDEX CONCURRENTLY) is looked up
+ * again.
+ */
+static Relation
+open_seq_index(Relation heap)
+{
+	for (int attempt = 0;; attempt++)
+	{
+		Oid			ix = events_seq_index(heap);
+		Relation	index = try_relation_open(ix, AccessShareLock);
+
+		if (index != NULL && index->rd_rel->relkind == RELKIND_INDEX &&
+			index->rd_index->indrelid == RelationGetRelid(heap) && index->rd_index->indisvalid)
+			return index;
+		if (index != NULL)
+			relation_close(index, AccessShareLock);
+		if (attempt > 0)
+			elog(ERROR, "outbox partition \"%s\": its (aggregate_type, aggregate_id, seq) index changed",
+				 RelationGetRelationName(heap));
+		for (int i = 0; i < SEQ_INDEX_CACHE; i++)
+			if (seq_index_cache[i].heap == RelationGetRelid(heap))
+				seq_index_cache[i].heap = InvalidOid;
+	}
+}
+
 /* Open partition i for probes (AccessShareLock, released when the call ends). */
 static ProbedPartition *
 probed_partition(SeqReader *r, int i)
@@ -532,9 +561,7 @@ probed_partition(SeqReader *r, int i)
 		p->empty = true;
 		return p;
 	}
-	p->index = index_open(events_seq_index(p->heap), AccessShareLock);
-	if (p->index->rd_index->indrelid != RelationGetRelid(p->heap))
-		elog(ERROR, "outbox partition \"%s\": its seq index changed", RelationGetRelationName(p->heap));
+	p->index = open_seq_index(p->heap);
 	p->slot = table_slot_create(p->heap, NULL);
 	return p;
 }

@@ -22,7 +22,10 @@
  *	  dropped at once: writers and readers wait only for the DROPs
  *	  themselves and the commit that follows (the stores' steps come last in
  *	  a round; call idem_maintain() on its own, not inside a longer
- *	  transaction).
+ *	  transaction).  A store with a step before its drops (the outbox:
+ *	  its aggregates' counters carry the seqs of the newest events that
+ *	  go) also has that step's table locked RowExclusiveLock, only if
+ *	  free, before any drop.
  *	- Whether a partition holds young rows or is pinned is read before
  *	  those locks, under the latest snapshot, and again once the partition
  *	  is locked: then no writer is in progress there (a prepared one keeps
