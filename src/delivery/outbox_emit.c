@@ -34,6 +34,7 @@
 
 #include "access/genam.h"
 #include "access/htup_details.h"
+#include "access/nbtree.h"
 #include "access/relation.h"
 #include "access/heapam.h"
 #include "access/relscan.h"
@@ -41,6 +42,7 @@
 #include "access/tableam.h"
 #include "access/transam.h"
 #include "access/xact.h"
+#include "catalog/pg_am.h"
 #include "catalog/pg_class.h"
 #include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
@@ -271,9 +273,10 @@ insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEv
  * stale cache says.  The list is read after the lock, so it has every
  * partition an earlier emitter wrote into; one dropped since (by
  * retention, which carried its newest seqs into the counters first) is
- * passed over, and a partition without a block (a premade one) is passed
- * over without a probe.  A partition is locked only while a call probes
- * it: one that holds nothing of the aggregate may go, and one that held
+ * passed over.  The probe reads the aggregate's last index entry straight
+ * off the leaf page (newest_entry(): an index scan would read all of the
+ * aggregate's entries on it).  A partition is locked only while a call
+ * probes it: one that holds nothing of the aggregate may go, and one that held
  * its newest event leaves the seq in the counter when it goes.
  *
  * REPEATABLE READ and SERIALIZABLE: an emitter whose snapshot does not see
@@ -380,8 +383,10 @@ typedef struct ProbedPartition
 	Relation	heap;			/* NULL: not opened yet, or gone */
 	Relation	index;			/* its (aggregate_type, aggregate_id, seq) index */
 	TupleTableSlot *slot;
+	IndexFetchTableData *fetch;
+	BTScanInsert key;			/* (aggregate_type, aggregate_id), for newest_entry() */
 	bool		opened;
-	bool		empty;			/* gone, or without a block */
+	bool		gone;			/* dropped since the registry was read */
 } ProbedPartition;
 
 /* What an emit call reads seqs with. */
@@ -395,6 +400,9 @@ typedef struct SeqReader
 	ProbedPartition *probed;
 	Oid			home;			/* the newest partition with a probed aggregate's newest event */
 	int			home_at;
+	int			keep_upto;		/* partitions 0 .. this stay locked to commit */
+	bool		no_counters;	/* outbox_sequences has never had a row */
+	bool		counters_checked;
 	SnapshotData dirty;
 } SeqReader;
 
@@ -418,16 +426,43 @@ open_seq_reader(SeqReader *r)
 		elog(ERROR, "idempotency.outbox_sequences has no primary key");
 	r->counters_pk = index_open(RelationGetPrimaryKeyIndex(r->counters), AccessShareLock);
 	r->counter_slot = table_slot_create(r->counters, NULL);
+	r->counters_checked = false;
 	r->home = InvalidOid;
 	r->home_at = -1;
 	InitDirtySnapshot(r->dirty);
 }
 
-/* The partitions as the registry lists them now: called after the emit locks. */
+/*
+ * Whether B-tree index has never had an entry (no root page yet): its
+ * metapage says so, unless this backend has seen its root already.
+ */
+static bool
+btree_never_filled(Relation index)
+{
+	Buffer		buf;
+	bool		empty;
+
+	if (index->rd_amcache != NULL)
+		return false;
+	buf = ReadBuffer(index, BTREE_METAPAGE);
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	empty = BTPageGetMeta(BufferGetPage(buf))->btm_root == P_NONE;
+	UnlockReleaseBuffer(buf);
+	return empty;
+}
+
+/*
+ * The partitions as the registry lists them now: called after the emit
+ * locks.  Those from the one that takes rows made at ts on to the newest
+ * are kept locked to commit (retention drops none of them soon, and the
+ * next emit of the transaction finds them locked); older ones only while
+ * probed, so that retention can drop them.
+ */
 static void
-load_partitions(SeqReader *r)
+load_partitions(SeqReader *r, TimestampTz ts)
 {
 	r->parts = idem_store_partitions(IDEM_STORE_OUTBOX, &r->nparts);
+	r->keep_upto = idem_store_pick(r->parts, r->nparts, ts);
 	r->probed = palloc0(sizeof(ProbedPartition) * r->nparts);
 	r->home_at = -1;
 	for (int i = 0; i < r->nparts; i++)
@@ -442,12 +477,14 @@ close_partitions(SeqReader *r)
 	{
 		ProbedPartition *p = &r->probed[i];
 
+		if (p->fetch != NULL)
+			table_index_fetch_end(p->fetch);
 		if (p->slot != NULL)
 			ExecDropSingleTupleTableSlot(p->slot);
 		if (p->index != NULL)
-			index_close(p->index, AccessShareLock);
+			index_close(p->index, i <= r->keep_upto ? NoLock : AccessShareLock);
 		if (p->heap != NULL)
-			table_close(p->heap, AccessShareLock);
+			table_close(p->heap, i <= r->keep_upto ? NoLock : AccessShareLock);
 	}
 	pfree(r->probed);
 	pfree(r->parts);
@@ -552,17 +589,23 @@ probed_partition(SeqReader *r, int i)
 	p->heap = try_table_open(r->parts[i].relid, AccessShareLock);
 	if (p->heap == NULL)
 	{
-		p->empty = true;		/* dropped since the registry was read */
-		return p;
-	}
-	/* rows are only ever added: no block, no event (a premade partition) */
-	if (RelationGetNumberOfBlocks(p->heap) == 0)
-	{
-		p->empty = true;
+		p->gone = true;			/* dropped since the registry was read */
 		return p;
 	}
 	p->index = open_seq_index(p->heap);
+	if (p->index->rd_rel->relam != BTREE_AM_OID ||
+		IndexRelationGetNumberOfKeyAttributes(p->index) != 3)
+		elog(ERROR, "outbox partition \"%s\": its seq index is not a B-tree on three columns",
+			 RelationGetRelationName(p->heap));
 	p->slot = table_slot_create(p->heap, NULL);
+	p->fetch = table_index_fetch_begin(p->heap);
+	/* a search key on the first two columns, its arguments set per probe */
+	p->key = _bt_mkscankey(p->index, NULL);
+	p->key->heapkeyspace = true;
+	p->key->nextkey = true;
+	p->key->keysz = 2;
+	for (int k = 0; k < 2; k++)
+		p->key->scankeys[k].sk_flags &= ~SK_ISNULL;
 	return p;
 }
 
@@ -606,6 +649,88 @@ seek_aggregate(Relation heap, Relation index, Snapshot snap, Datum type, Datum i
 }
 
 /*
+ * The newest event of (type, id) in partition p, read straight off its
+ * index: one descent to the first entry past the aggregate (nextkey), the
+ * entry before it, and its heap tuple under the dirty snapshot, into
+ * p->slot.  An index scan would read every entry of the aggregate on that
+ * leaf page.  Returns 1 if found, 0 if the partition holds no event of the
+ * aggregate, -1 if this cannot tell (the entry before is on the page to
+ * the left, or its tuple is not visible: a rolled-back emit): the caller
+ * scans the index instead.
+ */
+static int
+newest_entry(SeqReader *r, ProbedPartition *p, Datum type, Datum id)
+{
+	Buffer		buf;
+	BTStack		stack;
+	Page		page;
+	BTPageOpaque opaque;
+	OffsetNumber low;
+	OffsetNumber high;
+	OffsetNumber first;
+	IndexTuple	itup;
+	ItemPointerData tids[MaxIndexTuplesPerPage];
+	int			ntids;
+	int			found = -1;
+
+	p->key->scankeys[0].sk_argument = type;
+	p->key->scankeys[1].sk_argument = id;
+	stack = _bt_search(p->index, p->key, &buf, BT_READ, NULL);
+	_bt_freestack(stack);
+	if (!BufferIsValid(buf))
+		return 0;				/* an empty index */
+	page = BufferGetPage(buf);
+	opaque = BTPageGetOpaque(page);
+	first = P_FIRSTDATAKEY(opaque);
+	low = first;
+	high = PageGetMaxOffsetNumber(page) + 1;
+	/* the first entry past the aggregate */
+	while (low < high)
+	{
+		OffsetNumber mid = low + (high - low) / 2;
+
+		if (_bt_compare(p->index, p->key, page, mid) >= 0)
+			low = mid + 1;
+		else
+			high = mid;
+	}
+	if (low <= first)
+	{
+		_bt_relbuf(p->index, buf);
+		return -1;				/* what comes before is on the left page */
+	}
+	if (_bt_compare(p->index, p->key, page, low - 1) != 0)
+	{
+		_bt_relbuf(p->index, buf);
+		return 0;				/* before it, another aggregate */
+	}
+	itup = (IndexTuple) PageGetItem(page, PageGetItemId(page, low - 1));
+	if (BTreeTupleIsPosting(itup))
+	{
+		ntids = BTreeTupleGetNPosting(itup);
+		for (int k = 0; k < ntids; k++)
+			tids[k] = *BTreeTupleGetPostingN(itup, k);
+	}
+	else
+	{
+		ntids = 1;
+		tids[0] = itup->t_tid;
+	}
+	/* the pin stays while the heap is read: VACUUM cannot recycle the tids */
+	LockBuffer(buf, BUFFER_LOCK_UNLOCK);
+	for (int k = 0; k < ntids && found < 0; k++)
+	{
+		bool		call_again = false;
+		bool		all_dead = false;
+
+		if (table_index_fetch_tuple(p->fetch, &tids[k], &r->dirty, p->slot, &call_again, &all_dead))
+			found = 1;
+	}
+	ReleaseBuffer(buf);
+	return found;
+}
+
+/*
  * The newest seq of (type, id), 0 for none (see "How emits of one aggregate
  * serialise" above); the caller holds its emit lock.  Moves r->home to the
  * partition of its newest event if that is newer.
@@ -623,11 +748,18 @@ newest_seq(SeqReader *r, const char *type, const char *id)
 	for (int k = 0; k < r->nparts && stored == 0; k++)
 	{
 		ProbedPartition *p = probed_partition(r, k);
+		int			got;
 
-		if (p->empty)
+		if (p->gone)
 			continue;
-		scan = seek_aggregate(p->heap, p->index, &r->dirty, t, i);
-		if (index_getnext_slot(scan, BackwardScanDirection, p->slot))
+		got = newest_entry(r, p, t, i);
+		if (got < 0)
+		{
+			scan = seek_aggregate(p->heap, p->index, &r->dirty, t, i);
+			got = index_getnext_slot(scan, BackwardScanDirection, p->slot) ? 1 : 0;
+			index_endscan(scan);
+		}
+		if (got > 0)
 		{
 			stored = DatumGetInt64(slot_getattr(p->slot, 4, &isnull));
 			check_seen(p->heap, p->slot);
@@ -637,11 +769,21 @@ newest_seq(SeqReader *r, const char *type, const char *id)
 				r->home = r->parts[k].relid;
 			}
 		}
-		index_endscan(scan);
 		ExecClearTuple(p->slot);
 	}
 
-	/* read after the partitions: a drop that passed them has written it */
+	/*
+	 * Read after the partitions: a drop that passed them has written it.
+	 * A counter table that never had a row (no 'wal' emit, no retention
+	 * yet) is not probed; whether it had one is asked once per call.
+	 */
+	if (!r->counters_checked)
+	{
+		r->no_counters = btree_never_filled(r->counters_pk);
+		r->counters_checked = true;
+	}
+	if (r->no_counters)
+		return stored;
 	scan = seek_aggregate(r->counters, r->counters_pk, &r->dirty, t, i);
 	if (index_getnext_slot(scan, ForwardScanDirection, r->counter_slot))
 	{
@@ -684,7 +826,7 @@ open_events_target(SeqReader *r, TimestampTz ts, int32 *bucket)
 					 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
 		idem_store_forget(IDEM_STORE_OUTBOX);
 		close_partitions(r);
-		load_partitions(r);
+		load_partitions(r, ts);
 	}
 }
 
@@ -738,9 +880,9 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	open_seq_reader(&r);
 	h = aggregate_hash(ev.aggregate_type, ev.aggregate_id);
 	lock_emits(r.counters, &h, 1);
-	load_partitions(&r);
-	ev.seq = newest_seq(&r, ev.aggregate_type, ev.aggregate_id) + 1;
 	ev.created_at = idem_row_time(txid);
+	load_partitions(&r, ev.created_at);
+	ev.seq = newest_seq(&r, ev.aggregate_type, ev.aggregate_id) + 1;
 	if (outbox_mode != MODE_WAL)
 		rel = open_events_target(&r, ev.created_at, &bucket);
 	else
@@ -850,10 +992,10 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	idem_spi_connect_as_owner(&as);
 	open_seq_reader(&r);
 	lock_emits(r.counters, hs, nagg);
-	load_partitions(&r);
+	now = idem_row_time(txid);
+	load_partitions(&r, now);
 	for (int a = 0; a < nagg; a++)
 		next_seq[a] = newest_seq(&r, aggregate_type, names[a]) + 1;
-	now = idem_row_time(txid);
 	if (outbox_mode != MODE_WAL)
 		rel = open_events_target(&r, now, &bucket);
 	else
