@@ -275,9 +275,12 @@ insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEv
  * retention, which carried its newest seqs into the counters first) is
  * passed over.  The probe reads the aggregate's last index entry straight
  * off the leaf page (newest_entry(): an index scan would read all of the
- * aggregate's entries on it).  A partition is locked only while a call
- * probes it: one that holds nothing of the aggregate may go, and one that held
- * its newest event leaves the seq in the counter when it goes.
+ * aggregate's entries on it).  Partitions older than the one the emit's
+ * time falls into are locked only while a call probes them: one that
+ * holds nothing of the aggregate may go, and one that held its newest
+ * event leaves the seq in the counter when it goes; the others stay locked
+ * to commit (retention drops none of them soon).  The counter is not
+ * probed while its table never had a row.
  *
  * REPEATABLE READ and SERIALIZABLE: an emitter whose snapshot does not see
  * the newest seq (committed by another emitter after the snapshot) gets a
