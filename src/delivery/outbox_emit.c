@@ -289,7 +289,8 @@ insert_events(Relation rel, int32 bucket, FullTransactionId txid, const OutboxEv
  * Lock-table pressure: a transaction takes at most OUTBOX_MAX_EMIT_LOCKS
  * emit locks; a batch that would take more takes outbox_sequences in
  * ExclusiveLock instead (bulk): that excludes every other emitter until it
- * ends, and needs no emit lock of its own.
+ * ends, and needs no emit lock of its own (lock_emits() says when it
+ * waits for it).
  *
  * Relays take the emit lock only if it is free at once
  * (outbox_emits_idle(), to unpark an aggregate): they never wait for an
@@ -330,26 +331,41 @@ hash_cmp(const void *a, const void *b)
 }
 
 /*
- * Take the emit locks of the aggregates of hashes hs, to commit, in hash
- * order (every batch takes them in that one order: no deadlock between
- * batches), or the bulk lock (see above).  counters is outbox_sequences,
- * open in RowExclusiveLock.
+ * Take outbox_sequences in RowExclusiveLock and the emit locks of the
+ * aggregates of hashes hs, to commit, in hash order (every batch takes
+ * them in that one order: no deadlock between batches), or the bulk lock
+ * (see above).  The bulk lock is waited for only by a transaction that
+ * holds no emit lock yet (so it holds nothing an emitter waits for, and
+ * does not trade RowExclusiveLock up to ExclusiveLock, which two such
+ * transactions would deadlock on); one that emitted already takes it only
+ * if free at once, else takes the emit locks all the same (the lock table
+ * may then run out: max_locks_per_transaction).
  */
 static void
-lock_emits(Relation counters, uint64 *hs, int n)
+lock_emits(uint64 *hs, int n)
 {
+	Oid			relid = idem_internal_relid("outbox_sequences");
+	LOCKTAG		rel;
+
 	if (MyProc->lxid != emit_locks_lxid)
 	{
 		emit_locks_lxid = MyProc->lxid;
 		emit_locks_taken = 0;
 	}
-	if (CheckRelationLockedByMe(counters, ExclusiveLock, true))
+	SET_LOCKTAG_RELATION(rel, MyDatabaseId, relid);
+	if (LockHeldByMe(&rel, ExclusiveLock) || LockHeldByMe(&rel, AccessExclusiveLock))
 		return;					/* bulk already */
 	if (emit_locks_taken + n > OUTBOX_MAX_EMIT_LOCKS)
 	{
-		LockRelationOid(RelationGetRelid(counters), ExclusiveLock);
-		return;
+		if (!LockHeldByMe(&rel, RowExclusiveLock))
+		{
+			LockRelationOid(relid, ExclusiveLock);
+			return;
+		}
+		if (ConditionalLockRelationOid(relid, ExclusiveLock))
+			return;
 	}
+	LockRelationOid(relid, RowExclusiveLock);
 	qsort(hs, n, sizeof(uint64), hash_cmp);
 	for (int i = 0; i < n; i++)
 	{
@@ -880,9 +896,9 @@ idem_outbox_emit(PG_FUNCTION_ARGS)
 	txid = emitting_transaction();
 
 	idem_spi_connect_as_owner(&as);
-	open_seq_reader(&r);
 	h = aggregate_hash(ev.aggregate_type, ev.aggregate_id);
-	lock_emits(r.counters, &h, 1);
+	lock_emits(&h, 1);
+	open_seq_reader(&r);
 	ev.created_at = idem_row_time(txid);
 	load_partitions(&r, ev.created_at);
 	ev.seq = newest_seq(&r, ev.aggregate_type, ev.aggregate_id) + 1;
@@ -993,8 +1009,8 @@ idem_outbox_emit_many(PG_FUNCTION_ARGS)
 	next_seq = palloc(sizeof(int64) * nagg);
 
 	idem_spi_connect_as_owner(&as);
+	lock_emits(hs, nagg);
 	open_seq_reader(&r);
-	lock_emits(r.counters, hs, nagg);
 	now = idem_row_time(txid);
 	load_partitions(&r, now);
 	for (int a = 0; a < nagg; a++)
