@@ -98,6 +98,7 @@
 #include "utils/fmgrprotos.h"
 #include "utils/inval.h"
 #include "utils/jsonb.h"
+#include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/numeric.h"
 #include "utils/snapmgr.h"
@@ -496,55 +497,111 @@ probe_partition(ClaimCall *call, IdemPartition *part, Snapshot snap, ClaimKey *c
 }
 
 /*
+ * Positions in the set of the partitions not sealed yet, newest first, for
+ * the set of this generation: so a probe never walks the sealed ones, which
+ * may be hundreds, to find the few that take claims.
+ */
+static uint64 unsealed_generation = 0;	/* 0: never a set's */
+static int	unsealed_n = 0;
+static int *unsealed = NULL;
+static int	unsealed_cap = 0;
+
+static void
+map_unsealed(IdemPartitionSet *set)
+{
+	if (unsealed_generation == set->generation)
+		return;
+	if (unsealed_cap < set->nparts)
+	{
+		unsealed_cap = Max(set->nparts, 16);
+		unsealed = unsealed == NULL ?
+			MemoryContextAlloc(TopMemoryContext, unsealed_cap * sizeof(int)) :
+			repalloc(unsealed, unsealed_cap * sizeof(int));
+	}
+	unsealed_n = 0;
+	for (int i = 0; i < set->nparts; i++)
+		if (!set->parts[i].sealed)
+			unsealed[unsealed_n++] = i;
+	unsealed_generation = set->generation;
+}
+
+/* Probe sealed partition p unless it is expired or its filter rules the key out. */
+static bool
+probe_sealed(ClaimCall *call, IdemPartitionSet *set, IdemPartition *p, IdemPartition *target,
+			 TimestampTz now, Snapshot snap, ClaimKey *ck, ProbeResult *res)
+{
+	if (p == target || idem_partition_expired(set, p, now) ||
+		!idem_filter_maybe(set, p, ck->hash))
+		return false;
+	return probe_partition(call, p, snap, ck, res);
+}
+
+/*
  * Probe partitions until the key is found: the target (where a claim made
- * now would go) first, then the others newest first.  Open partitions are
- * probed if they have begun (give or take clock skew), and so is the oldest
- * open one, which a backend whose cache predates the partition covering now
- * would claim into; closed ones not sealed yet always (a claimer that chose
- * one before it was closed may still be inserting there); sealed ones
- * unless expired or ruled out by their filter.
+ * now would go) first, then the others not sealed yet, newest first:
+ * those that have begun (give or take clock skew), the oldest open one,
+ * which a backend whose cache predates the partition covering now would
+ * claim into, and the closed ones (a claimer that chose one before it was
+ * closed may still be inserting there); then the sealed ones that their
+ * groups do not rule out (groups.c), unless expired or ruled out by their
+ * own filter.
  */
 static void
 probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
 		  Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
 	IdemPartition *oldest_open = NULL;
-	bool	   *ruled_out = NULL;
+	const int  *cand = NULL;
+	int			ncand = -1;		/* -1: no groups, test every sealed one */
 
 	res->status = PROBE_ABSENT;
 	if (target != NULL && which != PROBE_SEALED &&
 		probe_partition(call, target, snap, ck, res))
 		return;
-	for (int i = set->nparts - 1; i >= 0 && oldest_open == NULL; i--)
-		if (!set->parts[i].closed)
-			oldest_open = &set->parts[i];
+	map_unsealed(set);
 	if (which != PROBE_OPEN)
 	{
-		/* a group's filter rules out all its members at once (groups.c) */
-		ruled_out = idem_groups_rule_out(set, ck->hash);
-		for (int i = 0; i < set->nparts; i++)
-			if (set->parts[i].sealed && !(ruled_out && ruled_out[i]) &&
-				!idem_partition_expired(set, &set->parts[i], now))
-				idem_filter_prefetch(&set->parts[i], ck->hash);
-	}
-	for (int i = 0; i < set->nparts; i++)
-	{
-		IdemPartition *p = &set->parts[i];
-
-		if (p == target)
-			continue;
-		if (p->sealed)
+		/* the filters' blocks load at once, not one after the other */
+		ncand = idem_groups_candidates(set, ck->hash, &cand);
+		if (ncand < 0)
 		{
-			if (which == PROBE_OPEN || (ruled_out && ruled_out[i]) ||
-				idem_partition_expired(set, p, now) || !idem_filter_maybe(set, p, ck->hash))
-				continue;
+			for (int i = 0; i < set->nparts; i++)
+				if (set->parts[i].sealed && !idem_partition_expired(set, &set->parts[i], now))
+					idem_filter_prefetch(&set->parts[i], ck->hash);
 		}
-		else if (which == PROBE_SEALED ||
-				 (p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open && !p->closed))
-			continue;
-		if (probe_partition(call, p, snap, ck, res))
-			return;
+		else
+			for (int j = 0; j < ncand; j++)
+				idem_filter_prefetch(&set->parts[cand[j]], ck->hash);
 	}
+	if (which != PROBE_SEALED)
+	{
+		for (int j = unsealed_n - 1; j >= 0 && oldest_open == NULL; j--)
+			if (!set->parts[unsealed[j]].closed)
+				oldest_open = &set->parts[unsealed[j]];
+		for (int j = 0; j < unsealed_n; j++)
+		{
+			IdemPartition *p = &set->parts[unsealed[j]];
+
+			if (p == target ||
+				(p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open && !p->closed))
+				continue;
+			if (probe_partition(call, p, snap, ck, res))
+				return;
+		}
+	}
+	if (which == PROBE_OPEN)
+		return;
+	if (ncand < 0)
+	{
+		for (int i = 0; i < set->nparts; i++)
+			if (set->parts[i].sealed &&
+				probe_sealed(call, set, &set->parts[i], target, now, snap, ck, res))
+				return;
+	}
+	else
+		for (int j = 0; j < ncand; j++)
+			if (probe_sealed(call, set, &set->parts[cand[j]], target, now, snap, ck, res))
+				return;
 }
 
 /*---- value lock ----*/

@@ -999,6 +999,13 @@ idem_filter_summary_excludes(IdemPartition *p, uint64 hash)
 	return filter_test(NULL, p, hash, false) == FILTER_NO;
 }
 
+/* What a backend without the preload may hold in filters, in bytes. */
+Size
+idem_filter_local_budget(void)
+{
+	return (Size) idem_local_filter_memory_kb * 1024;
+}
+
 /*
  * Remove from the shared area the filters of this database that the set
  * does not list (partitions dropped or resealed).  Run by maintenance.

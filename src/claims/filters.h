@@ -37,6 +37,7 @@ extern bytea *idem_filter_new(uint64 nbits);
 extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n);
 extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash);
 extern bool idem_filter_summary_excludes(IdemPartition *p, uint64 hash);
+extern Size idem_filter_local_budget(void);
 extern uint32 idem_filter_stored_nbits(Datum raw);
 typedef void (*IdemSummariesReader) (Relation rel, Snapshot snap, MemoryContext cxt);
 extern bool idem_summaries_read(Oid relid, MemoryContext cxt, const uint64 *invals,

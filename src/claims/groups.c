@@ -75,9 +75,13 @@ static FilterGroup *groups = NULL;
 static bool groups_mapped = false;
 static uint64 mapped_generation = 0;
 
-/* what idem_groups_rule_out() returns: one flag per partition of the set */
-static bool *ruled_out = NULL;
-static int	ruled_out_cap = 0;
+/* sealed partitions of that set with claims that no group holds */
+static int	loose_n = 0;
+static int *loose = NULL;
+
+/* what idem_groups_candidates() returns: positions in set->parts */
+static int *candidates = NULL;
+static int	candidates_cap = 0;
 
 static void
 groups_cache_callback(Datum arg, Oid relid)
@@ -187,10 +191,56 @@ groups_build(void)
 	idem_filters_forget_unlisted(groups_relid, group_filters(groups, groups_n), groups_n, false);
 }
 
-/* Where each group's members are in set: those the set shows sealed. */
+/* A sealed partition of the set being mapped: its relid and position. */
+typedef struct SealedAt
+{
+	Oid			relid;
+	int			idx;
+	bool		grouped;
+} SealedAt;
+
+static int
+sealed_at_cmp(const void *a, const void *b)
+{
+	Oid			ra = ((const SealedAt *) a)->relid;
+	Oid			rb = ((const SealedAt *) b)->relid;
+
+	return ra < rb ? -1 : ra > rb ? 1 : 0;
+}
+
+static int
+sealed_idx_cmp(const void *a, const void *b)
+{
+	return ((const SealedAt *) a)->idx - ((const SealedAt *) b)->idx;
+}
+
+static int
+int_cmp(const void *a, const void *b)
+{
+	return *(const int *) a - *(const int *) b;
+}
+
+/*
+ * Where each group's members are in set (those the set shows sealed), and
+ * which sealed partitions with claims are in no group.
+ */
 static void
 groups_map(IdemPartitionSet *set)
 {
+	SealedAt   *sealed = palloc(Max(set->nparts, 1) * sizeof(SealedAt));
+	int			nsealed = 0;
+	int			need;
+
+	for (int i = 0; i < set->nparts; i++)
+		if (set->parts[i].sealed)
+		{
+			sealed[nsealed].relid = set->parts[i].relid;
+			sealed[nsealed].idx = i;
+			sealed[nsealed].grouped = false;
+			nsealed++;
+		}
+	qsort(sealed, nsealed, sizeof(SealedAt), sealed_at_cmp);
+
 	for (int g = 0; g < groups_n; g++)
 	{
 		FilterGroup *fg = &groups[g];
@@ -199,57 +249,99 @@ groups_map(IdemPartitionSet *set)
 			fg->idx = MemoryContextAlloc(groups_cxt, Max(fg->nmembers, 1) * sizeof(int));
 		fg->nidx = 0;
 		for (int m = 0; m < fg->nmembers; m++)
-			for (int i = 0; i < set->nparts; i++)
-				if (set->parts[i].relid == fg->members[m] && set->parts[i].sealed)
-				{
-					fg->idx[fg->nidx++] = i;
-					break;
-				}
+		{
+			SealedAt	key = {.relid = fg->members[m]};
+			SealedAt   *at = bsearch(&key, sealed, nsealed, sizeof(SealedAt), sealed_at_cmp);
+
+			if (at == NULL)
+				continue;
+			at->grouped = true;
+			fg->idx[fg->nidx++] = at->idx;
+		}
 	}
-	if (ruled_out_cap < set->nparts)
+
+	/* room for every listing (a damaged table may list a partition twice) */
+	need = nsealed;
+	for (int g = 0; g < groups_n; g++)
+		need += groups[g].nidx;
+	if (candidates_cap < need)
 	{
-		ruled_out_cap = Max(set->nparts, 64);
-		ruled_out = ruled_out == NULL ?
-			MemoryContextAlloc(TopMemoryContext, ruled_out_cap * sizeof(bool)) :
-			repalloc(ruled_out, ruled_out_cap * sizeof(bool));
+		candidates_cap = Max(need, 64);
+		if (candidates == NULL)
+		{
+			candidates = MemoryContextAlloc(TopMemoryContext, candidates_cap * sizeof(int));
+			loose = MemoryContextAlloc(TopMemoryContext, candidates_cap * sizeof(int));
+		}
+		else
+		{
+			candidates = repalloc(candidates, candidates_cap * sizeof(int));
+			loose = repalloc(loose, candidates_cap * sizeof(int));
+		}
 	}
+	/* loose in the set's order (newest first), as each group's members */
+	qsort(sealed, nsealed, sizeof(SealedAt), sealed_idx_cmp);
+	loose_n = 0;
+	for (int i = 0; i < nsealed; i++)
+		if (!sealed[i].grouped && !set->parts[sealed[i].idx].empty)
+			loose[loose_n++] = sealed[i].idx;
+	for (int g = 0; g < groups_n; g++)
+		qsort(groups[g].idx, groups[g].nidx, sizeof(int), int_cmp);
+	pfree(sealed);
 	groups_mapped = true;
 	mapped_generation = set->generation;
 }
 
 /*
- * The sealed partitions of set that the key with this hash is certainly
- * not in, by the filters of their groups: an array of set->nparts flags
- * (valid until the next call), or NULL if none is ruled out.  The caller
- * has accepted invalidations (idem_partition_set()).
+ * The sealed partitions of set that the key with this hash may be in, by
+ * the filters of their groups: their positions in set->parts, in its order
+ * (newest first), go to *idx (valid until the next call), and their number
+ * is returned; -1 if there
+ * are no groups, and every sealed partition is to be tested.  Partitions
+ * in no group are always listed; a sealed partition without claims never
+ * (it holds no key).  The caller has accepted invalidations
+ * (idem_partition_set()).
  */
-bool *
-idem_groups_rule_out(IdemPartitionSet *set, uint64 hash)
+int
+idem_groups_candidates(IdemPartitionSet *set, uint64 hash, const int **idx)
 {
-	bool		any = false;
+	int			n;
 
 	if (!groups_valid)
 		groups_build();
 	if (groups_n == 0 || set->nparts == 0)
-		return NULL;
+		return -1;
 	if (!groups_mapped || mapped_generation != set->generation)
 		groups_map(set);
 	/* the blocks of all groups load at once, not one after the other */
 	for (int g = 0; g < groups_n; g++)
 		if (groups[g].nidx > 0)
 			idem_filter_prefetch(&groups[g].filter, hash);
-	memset(ruled_out, 0, set->nparts * sizeof(bool));
+	memcpy(candidates, loose, loose_n * sizeof(int));
+	n = loose_n;
 	for (int g = 0; g < groups_n; g++)
 	{
 		FilterGroup *fg = &groups[g];
+		int			at = n;
 
-		if (fg->nidx == 0 || !idem_filter_summary_excludes(&fg->filter, hash))
+		if (fg->nidx == 0 || idem_filter_summary_excludes(&fg->filter, hash))
 			continue;
+		/* merged in the set's order: newer partitions are tested first */
 		for (int m = 0; m < fg->nidx; m++)
-			ruled_out[fg->idx[m]] = true;
-		any = true;
+		{
+			int			v = fg->idx[m];
+			int			j = at++;
+
+			while (j > 0 && candidates[j - 1] > v)
+			{
+				candidates[j] = candidates[j - 1];
+				j--;
+			}
+			candidates[j] = v;
+		}
+		n = at;
 	}
-	return any ? ruled_out : NULL;
+	*idx = candidates;
+	return n;
 }
 
 /*---- maintenance ----*/
@@ -264,11 +356,23 @@ idem_groups_add(Oid relid, const uint64 *hashes, int64 n)
 	bool		found;
 	int32		id = 1;
 	int64		capacity;
+	int64		max_keys;
 	bytea	   *bloom = NULL;
 	Oid			types[5] = {INT4OID, OIDOID, INT8OID, INT8OID, BYTEAOID};
 	Datum		values[5];
 
 	if (n == 0 || !OidIsValid(filter_groups_relid()))
+		return;
+
+	/*
+	 * A group's filter must fit in a quarter of what a backend without the
+	 * preload may hold (idempotency.local_filter_memory, as this session has
+	 * it: the worker's is the server's), or such backends could never load
+	 * it.  A partition too big to share one is left to be tested alone.
+	 */
+	max_keys = (int64) (idem_filter_local_budget() / IDEM_GROUP_BUDGET_SHARE) * 8 /
+		IDEM_GROUP_BITS_PER_KEY;
+	if (n > max_keys)
 		return;
 	idem_spi_exec("SELECT id, nkeys, capacity, pg_catalog.cardinality(members), bloom"
 				  " FROM idempotency.filter_groups ORDER BY id DESC LIMIT 1",
@@ -295,6 +399,7 @@ idem_groups_add(Oid relid, const uint64 *hashes, int64 n)
 		/* sized for a group of partitions like this one */
 		capacity = Max((int64) IDEM_GROUP_MIN_CAPACITY, n * IDEM_GROUP_MAX_MEMBERS);
 		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_GROUP_BITS_PER_KEY));
+		capacity = Min(capacity, max_keys);
 		capacity = Max(capacity, n);
 		bloom = idem_filter_new((uint64) capacity * IDEM_GROUP_BITS_PER_KEY);
 	}

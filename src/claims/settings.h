@@ -35,9 +35,12 @@ typedef struct IdemSettings
 
 /*
  * Most partitions a configuration may keep live (retention / interval +
- * premake + 1): every claim consults each live sealed partition's filter.
+ * premake + 1): a claim tests one filter per group of sealed partitions
+ * (groups.c), so its cost still grows with them, slowly; beside 400 the
+ * extension's share of a new key's claim is about twice its share beside 8
+ * (doc/benchmarks.md, "Many sealed partitions").
  */
-#define IDEM_MAX_LIVE_PARTITIONS	100
+#define IDEM_MAX_LIVE_PARTITIONS	400
 
 extern IdemSettings idem_read_settings(Snapshot snap);
 extern IdemSettings idem_settings_from_scan(Relation rel, Snapshot snap);

@@ -59,6 +59,19 @@
  *	- begin() with on_conflict 'return' takes these locks in its
  *	  subtransaction: rolled back (in_progress), it releases them at once;
  *	  otherwise they pass to the caller's transaction, as without it.
+ *	- The row is read, locked and updated without the executor (as the
+ *	  outbox moves its counters): idempotency.requests is locked as a
+ *	  statement on it would lock it (AccessShareLock to look, RowShareLock
+ *	  to fence, RowExclusiveLock to change), which holds off a partition's
+ *	  drop, and its attached partitions are probed one by one through their
+ *	  (scope, key) index, each locked the same way, the one a row begun now
+ *	  goes into first (or the one the row was seen in), so a call nearly
+ *	  always touches one partition.  Looks and locks follow SELECT and
+ *	  SELECT FOR SHARE, updates UPDATE: a row changed since the snapshot is
+ *	  followed to its newest version and its condition checked again at
+ *	  READ COMMITTED, and is 40001 under a transaction snapshot.  Triggers,
+ *	  rules and row-level security on the partitions are not applied (as
+ *	  for the rows inserted, rows.c).
  *
  *-------------------------------------------------------------------------
  */
@@ -75,18 +88,27 @@
 #include "claims/claims.h"
 #include "delivery/store.h"
 
+#include "access/genam.h"
+#include "access/heapam.h"
 #include "access/table.h"
+#include "access/tableam.h"
 #include "access/xact.h"
+#include "catalog/pg_am.h"
+#include "catalog/pg_class.h"
+#include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "common/sha2.h"
 #include "executor/spi.h"
+#include "executor/tuptable.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "partitioning/partdesc.h"
 #include "pgstat.h"
 #include "utils/lsyscache.h"
 #include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
+#include "utils/fmgroids.h"
 #include "utils/jsonb.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
@@ -114,6 +136,7 @@ static const char *const request_columns[Natts_requests] = {
 	"created_at", "updated_at", "bucket"
 };
 
+/* what acts on a request's row */
 typedef enum RequestStatement
 {
 	ST_FIND,
@@ -126,99 +149,6 @@ typedef enum RequestStatement
 	ST_ABANDON,
 	NUM_STATEMENTS
 } RequestStatement;
-
-#define ROW_COLUMNS \
-	"status, attempt, lease_until, digest, recovery_point, state, response, response_status," \
-	" bucket, response_body, response_headers"
-#define FIND_ROW \
-	"SELECT " ROW_COLUMNS " FROM idempotency.requests WHERE scope = $1 AND key = $2"
-#define WHERE_HELD \
-	" WHERE scope = $1 AND key = $2 AND status = 'started' AND attempt = $3"
-/* the row as begin() saw it ($3 bucket, $4 attempt, $5 status), not live at $6 */
-#define WHERE_AS_SEEN \
-	" WHERE scope = $1 AND key = $2 AND bucket = $3 AND attempt = $4 AND status = $5" \
-	"   AND (status <> 'started' OR lease_until <= $6)"
-#define RETURN_ROW " RETURNING " ROW_COLUMNS
-#define AS_SEEN_TYPES	TEXTOID, TEXTOID, INT4OID, INT4OID, TEXTOID, TIMESTAMPTZOID
-
-static const IdemStatement request_plans[NUM_STATEMENTS] = {
-	[ST_FIND] = {FIND_ROW, 2, {TEXTOID, TEXTOID}},
-	[ST_FIND_FOR_SHARE] = {FIND_ROW " FOR SHARE", 2, {TEXTOID, TEXTOID}},
-	/* the next attempt resumes from the last recovery point */
-	[ST_TAKE_OVER] = {
-		"UPDATE idempotency.requests SET attempt = attempt + 1, lease_until = $7, updated_at = $6"
-		WHERE_AS_SEEN RETURN_ROW,
-		7, {AS_SEEN_TYPES, TIMESTAMPTZOID}},
-	/*
-	 * after abandon(), or for a new claim: afresh, but the attempt number
-	 * still goes up; a new claim's time is the row's ($9), else it is kept
-	 */
-	[ST_RESTART] = {
-		"UPDATE idempotency.requests SET status = 'started', attempt = attempt + 1,"
-		"       lease_until = $7, updated_at = $6, digest = $8, created_at = coalesce($9, created_at),"
-		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL,"
-		"       response_body = NULL, response_headers = NULL"
-		WHERE_AS_SEEN RETURN_ROW,
-		9, {AS_SEEN_TYPES, TIMESTAMPTZOID, BYTEAOID, TIMESTAMPTZOID}},
-	[ST_CHECKPOINT] = {
-		"UPDATE idempotency.requests SET recovery_point = $4,"
-		"       state = coalesce($5, state), updated_at = $6" WHERE_HELD,
-		6, {TEXTOID, TEXTOID, INT4OID, TEXTOID, JSONBOID, TIMESTAMPTZOID}},
-	[ST_EXTEND] = {
-		"UPDATE idempotency.requests SET lease_until = $4, updated_at = $5" WHERE_HELD,
-		5, {TEXTOID, TEXTOID, INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID}},
-	[ST_COMPLETE] = {
-		"UPDATE idempotency.requests SET status = 'completed', lease_until = NULL,"
-		"       response = $4, response_status = $5, updated_at = $6,"
-		"       response_body = $7, response_headers = $8"
-		" WHERE scope = $1 AND key = $2 AND status = 'started'"
-		"   AND ($3 IS NULL OR attempt = $3)",
-		8, {TEXTOID, TEXTOID, INT4OID, JSONBOID, INT4OID, TIMESTAMPTZOID, TEXTOID, JSONBOID}},
-	[ST_ABANDON] = {
-		"UPDATE idempotency.requests SET status = 'abandoned', lease_until = NULL,"
-		"       recovery_point = NULL, state = NULL, response = NULL, response_status = NULL,"
-		"       response_body = NULL, response_headers = NULL, updated_at = $4"
-		" WHERE scope = $1 AND key = $2 AND ($3 IS NULL OR attempt = $3)",
-		4, {TEXTOID, TEXTOID, INT4OID, TIMESTAMPTZOID}},
-};
-
-static SPIPlanPtr prepared[NUM_STATEMENTS];
-
-/* Run a statement (see idem_statement_exec). */
-static uint64
-request_exec(RequestStatement st, Datum *values, const char *nulls, int expected)
-{
-	return idem_statement_exec(&request_plans[st], &prepared[st], values, nulls, expected);
-}
-
-/*
- * Run a statement that reads the row as it is now: under a snapshot taken
- * now, which at READ COMMITTED is what every statement gets anyway.
- */
-static uint64
-request_exec_fresh(RequestStatement st, Datum *values, const char *nulls, int expected)
-{
-	MemoryContext cxt = CurrentMemoryContext;
-	volatile int rc = 0;
-
-	if (!IsolationUsesXactSnapshot())
-		return request_exec(st, values, nulls, expected);
-	PG_TRY();
-	{
-		rc = SPI_execute_snapshot(idem_statement_plan(&request_plans[st], &prepared[st]),
-								  values, nulls, GetLatestSnapshot(), InvalidSnapshot,
-								  false, false, 0);
-	}
-	PG_CATCH();
-	{
-		idem_rethrow_without_sql(cxt, request_plans[st].sql);	/* no SQL text shown */
-	}
-	PG_END_TRY();
-	if (rc != expected)
-		elog(ERROR, "SPI_execute_snapshot failed (%s): %s",
-			 SPI_result_code_string(rc), request_plans[st].sql);
-	return SPI_processed;
-}
 
 /*---- arguments ----*/
 
@@ -274,14 +204,6 @@ optional_attempt_arg(FunctionCallInfo fcinfo, int argno)
 	return PG_ARGISNULL(argno) ? 0 : attempt_arg(fcinfo, argno);
 }
 
-/* An argument that may be NULL, as an SPI value and null flag. */
-static void
-nullable_arg(FunctionCallInfo fcinfo, int argno, Datum *value, char *null)
-{
-	*value = PG_ARGISNULL(argno) ? (Datum) 0 : PG_GETARG_DATUM(argno);
-	*null = PG_ARGISNULL(argno) ? 'n' : ' ';
-}
-
 /*---- the stored row ----*/
 
 typedef enum RequestStatus
@@ -312,6 +234,7 @@ typedef struct RequestRow
 	Datum		response_status;
 	bool		response_status_null;
 	int32		bucket;			/* the partition it is in */
+	Oid			relid;			/* and that partition */
 	Datum		response_body;	/* stored only when given as text */
 	bool		response_body_null;
 	Datum		response_headers;
@@ -328,55 +251,6 @@ transfer(Datum d)
 	return SPI_datumTransfer(PointerGetDatum(PG_DETOAST_DATUM_PACKED(d)), false, -1);
 }
 
-/* Read the first row of SPI's result (in ROW_COLUMNS' order) into row. */
-static void
-read_row(RequestRow *row)
-{
-	HeapTuple	tup;
-	TupleDesc	desc = SPI_tuptable->tupdesc;
-	bool		isnull;
-	char	   *status;
-
-	if (SPI_processed == 0)
-	{
-		row->status = REQ_NONE;
-		return;
-	}
-	tup = SPI_tuptable->vals[0];
-	status = TextDatumGetCString(SPI_getbinval(tup, desc, 1, &isnull));
-	row->status = strcmp(status, "started") == 0 ? REQ_STARTED :
-		strcmp(status, "completed") == 0 ? REQ_COMPLETED : REQ_ABANDONED;
-	row->attempt = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
-	row->lease_until = DatumGetTimestampTz(SPI_getbinval(tup, desc, 3, &isnull));
-	if (isnull)
-		row->lease_until = DT_NOBEGIN;
-	row->digest = NULL;
-	{
-		Datum		d = SPI_getbinval(tup, desc, 4, &isnull);
-
-		if (!isnull)
-			row->digest = DatumGetByteaPCopy(d);
-	}
-	/* SPI_getbinval's datums live in SPI's memory: copy what is returned */
-	row->recovery_point = SPI_getbinval(tup, desc, 5, &row->recovery_point_null);
-	if (!row->recovery_point_null)
-		row->recovery_point = transfer(row->recovery_point);
-	row->state = SPI_getbinval(tup, desc, 6, &row->state_null);
-	if (!row->state_null)
-		row->state = transfer(row->state);
-	row->response = SPI_getbinval(tup, desc, 7, &row->response_null);
-	if (!row->response_null)
-		row->response = transfer(row->response);
-	row->response_status = SPI_getbinval(tup, desc, 8, &row->response_status_null);
-	row->bucket = DatumGetInt32(SPI_getbinval(tup, desc, 9, &isnull));
-	row->response_body = SPI_getbinval(tup, desc, 10, &row->response_body_null);
-	if (!row->response_body_null)
-		row->response_body = transfer(row->response_body);
-	row->response_headers = SPI_getbinval(tup, desc, 11, &row->response_headers_null);
-	if (!row->response_headers_null)
-		row->response_headers = transfer(row->response_headers);
-}
-
 /* A row as begin() returns it when it holds the key: no response. */
 static void
 no_response(RequestRow *row)
@@ -385,24 +259,426 @@ no_response(RequestRow *row)
 	row->response_body_null = row->response_headers_null = true;
 }
 
-/* The key's row as it is now (see request_exec_fresh). */
+/*---- the row, partition by partition ----*/
+
+/*
+ * Found, locked and changed without the executor (see the last locking rule
+ * of the banner): a statement on the parent locks and probes every
+ * partition, its generic plan unable to prune them (the row's bucket is not
+ * known to the caller).
+ */
+
+/* columns of idempotency.requests (request_columns), from 0 */
+enum
+{
+	C_SCOPE, C_KEY, C_DIGEST, C_STATUS, C_ATTEMPT, C_LEASE_UNTIL, C_RECOVERY_POINT,
+	C_STATE, C_RESPONSE, C_RESPONSE_STATUS, C_RESPONSE_BODY, C_RESPONSE_HEADERS,
+	C_CREATED_AT, C_UPDATED_AT, C_BUCKET
+};
+
+typedef struct RequestPart
+{
+	Relation	parent;
+	Relation	rel;			/* the partition the row is in */
+	Relation	index;			/* its (scope, key) index */
+	TupleTableSlot *slot;		/* the row version found */
+} RequestPart;
+
+/*
+ * Open partition relid and its (scope, key) index with mode; false if it
+ * is gone.
+ */
+static bool
+open_part(Oid relid, LOCKMODE mode, RequestPart *p)
+{
+	TupleDesc	desc;
+	List	   *oids;
+	ListCell   *lc;
+
+	p->rel = try_table_open(relid, mode);
+	if (p->rel == NULL)
+		return false;
+	/* rows are read and written as heap tuples */
+	if (p->rel->rd_rel->relkind != RELKIND_RELATION || p->rel->rd_rel->relam != HEAP_TABLE_AM_OID)
+		elog(ERROR, "requests partition \"%s\" is not a heap table",
+			 RelationGetRelationName(p->rel));
+	desc = RelationGetDescr(p->rel);
+	for (int i = 0; i < Natts_requests; i++)
+		if (desc->natts != Natts_requests || TupleDescAttr(desc, i)->attisdropped ||
+			strcmp(NameStr(TupleDescAttr(desc, i)->attname), request_columns[i]) != 0)
+			elog(ERROR, "requests partition \"%s\" does not have the columns of %s.requests",
+				 RelationGetRelationName(p->rel), IDEM_SCHEMA);
+	p->index = NULL;
+	oids = RelationGetIndexList(p->rel);
+	foreach(lc, oids)
+	{
+		Relation	index = index_open(lfirst_oid(lc), mode);
+		Form_pg_index ix = index->rd_index;
+
+		if (ix->indisunique && ix->indisvalid && ix->indnkeyatts == 2 &&
+			ix->indkey.values[0] == C_SCOPE + 1 && ix->indkey.values[1] == C_KEY + 1 &&
+			index->rd_rel->relam == BTREE_AM_OID &&
+			heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL))
+		{
+			p->index = index;
+			break;
+		}
+		index_close(index, NoLock);
+	}
+	list_free(oids);
+	if (p->index == NULL)
+		elog(ERROR, "requests partition \"%s\" has no unique index on (scope, key)",
+			 RelationGetRelationName(p->rel));
+	p->slot = table_slot_create(p->rel, NULL);
+	return true;
+}
+
+static void
+close_part(RequestPart *p)
+{
+	ExecDropSingleTupleTableSlot(p->slot);
+	index_close(p->index, NoLock);
+	table_close(p->rel, NoLock);
+}
+
+/* Is the text datum d the text t? */
+static bool
+same_text(Datum d, text *t)
+{
+	text	   *dt = DatumGetTextPP(d);
+
+	return VARSIZE_ANY_EXHDR(dt) == VARSIZE_ANY_EXHDR(t) &&
+		memcmp(VARDATA_ANY(dt), VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t)) == 0;
+}
+
+/* Does p's index have the key's row, visible to snap?  Into p->slot. */
+static bool
+probe_part(RequestPart *p, RequestKey *rk, Snapshot snap)
+{
+	ScanKeyData key[2];
+	IndexScanDesc scan;
+	bool		found;
+
+	ScanKeyInit(&key[0], 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(rk->scope));
+	key[0].sk_collation = p->index->rd_indcollation[0];
+	ScanKeyInit(&key[1], 2, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(rk->key));
+	key[1].sk_collation = p->index->rd_indcollation[1];
+	scan = index_beginscan(p->rel, p->index, snap, 2, 0);
+	index_rescan(scan, key, 2, NULL, 0);
+	found = index_getnext_slot(scan, ForwardScanDirection, p->slot);
+	index_endscan(scan);
+	return found;
+}
+
+/*
+ * Find the key's row version visible to the active snapshot: the parent is
+ * opened with mode into p->parent (the caller closes it, end_find()), and,
+ * if found, the partition too with the row in p->slot.  The partition
+ * probed first is "first" if valid, else the one a row begun now goes into.
+ * The caller is connected to SPI.
+ */
+static bool
+find_part(RequestKey *rk, LOCKMODE mode, Oid first, RequestPart *p)
+{
+	Snapshot	snap = GetActiveSnapshot();
+	PartitionDesc pd;
+	bool		first_is_part = false;
+
+	/* the partitions attached now: those a statement on the parent would see */
+	p->parent = table_open(idem_internal_relid("requests"), mode);
+	pd = RelationGetPartitionDesc(p->parent, true);
+	if (pd->nparts == 0)
+		return false;
+	if (!OidIsValid(first))
+		(void) idem_store_target(IDEM_STORE_REQUESTS, idem_now(), &first, NULL);
+	for (int i = 0; i < pd->nparts; i++)
+		if (pd->oids[i] == first)
+			first_is_part = true;
+	for (int i = -1; i < pd->nparts; i++)
+	{
+		Oid			relid = i < 0 ? first : pd->oids[i];
+
+		if (i < 0 ? !first_is_part : relid == first)
+			continue;
+		if (!open_part(relid, mode, p))
+			continue;
+		if (probe_part(p, rk, snap))
+			return true;
+		close_part(p);
+	}
+	return false;
+}
+
+static void
+end_find(RequestPart *p, bool found)
+{
+	if (found)
+		close_part(p);
+	table_close(p->parent, NoLock);
+}
+
+/* The row as read (values in request_columns' order), copied out of the table. */
+static void
+read_values(Datum *v, bool *n, RequestRow *row)
+{
+	char	   *status = TextDatumGetCString(v[C_STATUS]);
+
+	row->status = strcmp(status, "started") == 0 ? REQ_STARTED :
+		strcmp(status, "completed") == 0 ? REQ_COMPLETED : REQ_ABANDONED;
+	row->attempt = DatumGetInt32(v[C_ATTEMPT]);
+	row->lease_until = n[C_LEASE_UNTIL] ? DT_NOBEGIN : DatumGetTimestampTz(v[C_LEASE_UNTIL]);
+	row->digest = n[C_DIGEST] ? NULL : DatumGetByteaPCopy(v[C_DIGEST]);
+	/* a stored response may be large: what begin() returns must not point into the table */
+	row->recovery_point_null = n[C_RECOVERY_POINT];
+	if (!n[C_RECOVERY_POINT])
+		row->recovery_point = transfer(v[C_RECOVERY_POINT]);
+	row->state_null = n[C_STATE];
+	if (!n[C_STATE])
+		row->state = transfer(v[C_STATE]);
+	row->response_null = n[C_RESPONSE];
+	if (!n[C_RESPONSE])
+		row->response = transfer(v[C_RESPONSE]);
+	row->response_status_null = n[C_RESPONSE_STATUS];
+	row->response_status = v[C_RESPONSE_STATUS];
+	row->bucket = DatumGetInt32(v[C_BUCKET]);
+	row->response_body_null = n[C_RESPONSE_BODY];
+	if (!n[C_RESPONSE_BODY])
+		row->response_body = transfer(v[C_RESPONSE_BODY]);
+	row->response_headers_null = n[C_RESPONSE_HEADERS];
+	if (!n[C_RESPONSE_HEADERS])
+		row->response_headers = transfer(v[C_RESPONSE_HEADERS]);
+}
+
+/* The row in p->slot, if it is still the key's (a hand-made update may move a row). */
+static bool
+read_slot(RequestPart *p, RequestKey *rk, RequestRow *row)
+{
+	slot_getallattrs(p->slot);
+	if (!same_text(p->slot->tts_values[C_SCOPE], rk->scope) ||
+		!same_text(p->slot->tts_values[C_KEY], rk->key))
+		return false;
+	read_values(p->slot->tts_values, p->slot->tts_isnull, row);
+	row->relid = RelationGetRelid(p->rel);
+	return true;
+}
+
+/*
+ * The key's row as it is now: under a snapshot taken now, which at READ
+ * COMMITTED is the one a statement gets anyway (with this transaction's
+ * own changes so far).
+ */
 static void
 find_row(RequestKey *rk, RequestRow *row)
 {
-	Datum		values[2] = {PointerGetDatum(rk->scope), PointerGetDatum(rk->key)};
+	RequestPart p;
+	bool		found;
 
-	(void) request_exec_fresh(ST_FIND, values, NULL, SPI_OK_SELECT);
-	read_row(row);
+	CommandCounterIncrement();
+	PushActiveSnapshot(IsolationUsesXactSnapshot() ?
+					   GetLatestSnapshot() : GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+	found = find_part(rk, AccessShareLock, InvalidOid, &p);
+	if (!found || !read_slot(&p, rk, row))
+		row->status = REQ_NONE;
+	end_find(&p, found);
+	PopActiveSnapshot();
 }
 
-/* The key's row, locked FOR SHARE to the end of the transaction. */
+/* 40001, as the executor raises it for a row changed since the snapshot */
+static void
+concurrent_update(void)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("could not serialize access due to concurrent update")));
+}
+
+/*
+ * The key's row, locked FOR SHARE to the end of the transaction, as SELECT
+ * ... FOR SHARE locks it: at READ COMMITTED its newest version, under a
+ * transaction snapshot 40001 if it changed since.
+ */
 static void
 share_row(RequestKey *rk, RequestRow *row)
 {
-	Datum		values[2] = {PointerGetDatum(rk->scope), PointerGetDatum(rk->key)};
+	RequestPart p;
+	bool		found;
+	TM_Result	res;
+	TM_FailureData tmfd;
 
-	(void) request_exec(ST_FIND_FOR_SHARE, values, NULL, SPI_OK_SELECT);
-	read_row(row);
+	CommandCounterIncrement();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+	found = find_part(rk, RowShareLock, InvalidOid, &p);
+	row->status = REQ_NONE;
+	if (found)
+	{
+		res = table_tuple_lock(p.rel, &p.slot->tts_tid, GetActiveSnapshot(), p.slot,
+							   GetCurrentCommandId(true), LockTupleShare, LockWaitBlock,
+							   TUPLE_LOCK_FLAG_LOCK_UPDATE_IN_PROGRESS |
+							   (IsolationUsesXactSnapshot() ? 0 : TUPLE_LOCK_FLAG_FIND_LAST_VERSION),
+							   &tmfd);
+		if ((res == TM_Updated || res == TM_Deleted) && IsolationUsesXactSnapshot())
+			concurrent_update();
+		if (res == TM_Ok)
+			(void) read_slot(&p, rk, row);
+		else if (res != TM_Deleted)
+			elog(ERROR, "unexpected result %d locking request \"%s\"", (int) res, rk->key_str);
+	}
+	end_find(&p, found);
+	PopActiveSnapshot();
+}
+
+/* Which row a change acts on (the WHERE of its UPDATE), besides the key. */
+typedef enum RowCondition
+{
+	COND_HELD,					/* status 'started', this attempt */
+	COND_STARTED,				/* status 'started', this attempt or any */
+	COND_ANY,					/* this attempt or any */
+	COND_AS_SEEN				/* as seen (seen_*), and not live at "now" */
+} RowCondition;
+
+typedef struct RowChange
+{
+	RowCondition cond;
+	int32		attempt;
+	bool		any_attempt;
+	RequestRow *seen;			/* COND_AS_SEEN */
+	TimestampTz now;			/* COND_AS_SEEN */
+	/* the change: the columns set, and whether the attempt moves on */
+	bool		set[Natts_requests];
+	Datum		values[Natts_requests];
+	bool		nulls[Natts_requests];
+	bool		next_attempt;
+} RowChange;
+
+static void
+set_column(RowChange *ch, int col, Datum value, bool isnull)
+{
+	ch->set[col] = true;
+	ch->values[col] = value;
+	ch->nulls[col] = isnull;
+}
+
+/* Does the row version (v, n) meet the change's condition? */
+static bool
+row_matches(RowChange *ch, RequestKey *rk, Datum *v, bool *n)
+{
+	const char *status = TextDatumGetCString(v[C_STATUS]);
+	int32		attempt = DatumGetInt32(v[C_ATTEMPT]);
+	bool		started = strcmp(status, "started") == 0;
+
+	if (!same_text(v[C_SCOPE], rk->scope) || !same_text(v[C_KEY], rk->key))
+		return false;
+	switch (ch->cond)
+	{
+		case COND_HELD:
+			return started && attempt == ch->attempt;
+		case COND_STARTED:
+			return started && (ch->any_attempt || attempt == ch->attempt);
+		case COND_ANY:
+			return ch->any_attempt || attempt == ch->attempt;
+		case COND_AS_SEEN:
+			return DatumGetInt32(v[C_BUCKET]) == ch->seen->bucket &&
+				attempt == ch->seen->attempt &&
+				strcmp(status, status_names[ch->seen->status]) == 0 &&
+				(!started ||
+				 (!n[C_LEASE_UNTIL] && DatumGetTimestampTz(v[C_LEASE_UNTIL]) <= ch->now));
+	}
+	return false;
+}
+
+/*
+ * Change the key's row as an UPDATE ... WHERE <the change's condition>
+ * would: found with the statement's snapshot, then updated, waiting for a
+ * transaction that holds it (a fenced holder, a racing takeover); if one
+ * changed it meanwhile, at READ COMMITTED its newest version is locked and
+ * the condition checked on it (the executor's recheck), under a transaction
+ * snapshot it is 40001.  HOT, unless the page is full: then its index
+ * entries are added.  True if it changed the row (then the new row is in
+ * *out if out is given); false if no row met the condition.  The caller is
+ * connected to SPI.
+ */
+static bool
+change_row(RequestKey *rk, RowChange *ch, RequestRow *out)
+{
+	RequestPart p;
+	Snapshot	snap;
+	bool		found;
+	bool		changed = false;
+	Datum		values[Natts_requests];
+	bool		nulls[Natts_requests];
+	HeapTuple	newtup = NULL;
+
+	CommandCounterIncrement();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+	snap = GetActiveSnapshot();
+	found = find_part(rk, RowExclusiveLock, ch->seen != NULL ? ch->seen->relid : InvalidOid, &p);
+	while (found)
+	{
+		TM_Result	res;
+		TM_FailureData tmfd;
+		LockTupleMode lockmode;
+
+		slot_getallattrs(p.slot);
+		memcpy(values, p.slot->tts_values, sizeof(values));
+		memcpy(nulls, p.slot->tts_isnull, sizeof(nulls));
+		if (!row_matches(ch, rk, values, nulls))
+			break;
+		for (int i = 0; i < Natts_requests; i++)
+			if (ch->set[i])
+			{
+				values[i] = ch->values[i];
+				nulls[i] = ch->nulls[i];
+			}
+		if (ch->next_attempt)
+			values[C_ATTEMPT] = Int32GetDatum(DatumGetInt32(values[C_ATTEMPT]) + 1);
+		newtup = heap_form_tuple(RelationGetDescr(p.rel), values, nulls);
+
+		res = heap_update(p.rel, &p.slot->tts_tid, newtup, GetCurrentCommandId(true),
+						  InvalidSnapshot, true, &tmfd, &lockmode);
+		if (res == TM_Ok)
+		{
+			changed = true;
+			break;
+		}
+		heap_freetuple(newtup);
+		newtup = NULL;
+		if (res != TM_Updated && res != TM_Deleted)
+			elog(ERROR, "unexpected result %d updating request \"%s\"", (int) res, rk->key_str);
+		if (IsolationUsesXactSnapshot())
+			concurrent_update();
+		if (res == TM_Deleted)
+			break;
+		res = table_tuple_lock(p.rel, &tmfd.ctid, snap, p.slot, GetCurrentCommandId(true),
+							   LockTupleNoKeyExclusive, LockWaitBlock,
+							   TUPLE_LOCK_FLAG_FIND_LAST_VERSION, &tmfd);
+		if (res == TM_Deleted)
+			break;
+		if (res != TM_Ok)
+			elog(ERROR, "unexpected result %d locking request \"%s\"", (int) res, rk->key_str);
+	}
+	PopActiveSnapshot();
+	if (changed)
+	{
+		if (!HeapTupleIsHeapOnly(newtup))
+		{
+			IdemIndexSet ins;
+
+			idem_open_insert_indexes(p.rel, &ins, "requests partition");
+			idem_insert_index_entries(&ins, values, nulls, &newtup->t_self, InvalidOid);
+			idem_close_insert_indexes(&ins);
+		}
+		if (out != NULL)
+		{
+			read_values(values, nulls, out);
+			out->relid = RelationGetRelid(p.rel);
+		}
+		heap_freetuple(newtup);
+	}
+	end_find(&p, found);
+	return changed;
 }
 
 /*
@@ -576,28 +852,30 @@ static bool
 next_attempt(RequestKey *rk, RequestRow *seen, RequestStatement st, bytea *digest, bool anew,
 			 TimestampTz now, int64 lease, RequestRow *out)
 {
-	Datum		values[9];
-	char		nulls[10] = "         ";
+	RowChange	ch = {0};
 
-	values[0] = PointerGetDatum(rk->scope);
-	values[1] = PointerGetDatum(rk->key);
-	values[2] = Int32GetDatum(seen->bucket);
-	values[3] = Int32GetDatum(seen->attempt);
-	values[4] = CStringGetTextDatum(status_names[seen->status]);
-	values[5] = TimestampTzGetDatum(now);
-	values[6] = TimestampTzGetDatum(now + lease);
-	values[7] = PointerGetDatum(digest);
-	nulls[7] = digest == NULL ? 'n' : ' ';
-	values[8] = TimestampTzGetDatum(now);
-	nulls[8] = anew ? ' ' : 'n';
-	if (request_exec(st, values, nulls, SPI_OK_UPDATE_RETURNING) == 0)
+	ch.cond = COND_AS_SEEN;
+	ch.seen = seen;
+	ch.now = now;
+	ch.next_attempt = true;
+	set_column(&ch, C_LEASE_UNTIL, TimestampTzGetDatum(now + lease), false);
+	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(now), false);
+	if (st == ST_RESTART)
+	{
+		set_column(&ch, C_STATUS, CStringGetTextDatum("started"), false);
+		set_column(&ch, C_DIGEST, PointerGetDatum(digest), digest == NULL);
+		if (anew)
+			set_column(&ch, C_CREATED_AT, TimestampTzGetDatum(now), false);
+		for (int i = C_RECOVERY_POINT; i <= C_RESPONSE_HEADERS; i++)
+			set_column(&ch, i, (Datum) 0, true);
+	}
+	if (!change_row(rk, &ch, out))
 	{
 		/* at READ COMMITTED the update saw the row as it is now */
 		if (IsolationUsesXactSnapshot())
 			request_changed(rk);
 		return false;
 	}
-	read_row(out);
 	no_response(out);
 	return true;
 }
@@ -627,6 +905,17 @@ begin_request(RequestKey *rk, Jsonb *payload, int64 lease, int64 wait, bool give
 
 	/* a new claim: the key is new, whatever is left of an earlier request */
 	claimed = idem_claim_key(rk->claim_scope, rk->key, NULL, "idem_request_begin()");
+
+	/*
+	 * With a new claim the key has no row but one that outlived an earlier
+	 * claim: the key lock first, so that one look decides whether to make
+	 * the row (the look is what a new key costs: every partition's index).
+	 */
+	if (claimed)
+	{
+		lock_key(rk);
+		locked = true;
+	}
 
 	for (;;)
 	{
@@ -868,21 +1157,22 @@ idem_request_begin(PG_FUNCTION_ARGS)
 /*---- the holder's calls ----*/
 
 /*
- * Run an UPDATE that acts for an attempt (or, attempt_null, for whichever
- * is current); see holder_missed() if it matched no row.
+ * Make a holder's change (ch) to the row of the key, for an attempt (or,
+ * attempt_null, for whichever is current); see holder_missed() if no row
+ * met its condition.
  */
 static void
 holder_update(RequestStatement st, RequestKey *rk, int32 attempt, bool attempt_null,
-			  Datum *values, char *nulls)
+			  RowChange *ch, const char *fname)
 {
 	IdemAsOwner as;
 
+	/* written without the executor, which would check this */
+	PreventCommandIfReadOnly(fname);
+	ch->attempt = attempt;
+	ch->any_attempt = attempt_null;
 	idem_spi_connect_as_owner(&as);
-	values[0] = PointerGetDatum(rk->scope);
-	values[1] = PointerGetDatum(rk->key);
-	values[2] = Int32GetDatum(attempt);
-	nulls[2] = attempt_null ? 'n' : ' ';
-	if (request_exec(st, values, nulls, SPI_OK_UPDATE) == 0)
+	if (!change_row(rk, ch, NULL))
 		holder_missed(st, rk, attempt, attempt_null);
 	idem_spi_finish_as_owner(&as);
 }
@@ -893,8 +1183,7 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 {
 	RequestKey	rk;
 	int32		attempt;
-	Datum		values[6];
-	char		nulls[7] = "      ";
+	RowChange	ch = {0};
 
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
@@ -904,10 +1193,13 @@ idem_request_checkpoint(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("recovery_point must not be empty")));
-	values[3] = PG_GETARG_DATUM(3);
-	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
-	values[5] = TimestampTzGetDatum(idem_now());
-	holder_update(ST_CHECKPOINT, &rk, attempt, false, values, nulls);
+	ch.cond = COND_HELD;
+	/* detoasted: the row must not point at another table's toast */
+	set_column(&ch, C_RECOVERY_POINT, PointerGetDatum(PG_GETARG_TEXT_PP(3)), false);
+	if (!PG_ARGISNULL(4))		/* no state: the last one stays */
+		set_column(&ch, C_STATE, JsonbPGetDatum(PG_GETARG_JSONB_P(4)), false);
+	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(idem_now()), false);
+	holder_update(ST_CHECKPOINT, &rk, attempt, false, &ch, "idem_request_checkpoint()");
 	PG_RETURN_VOID();
 }
 
@@ -943,15 +1235,15 @@ idem_request_extend(PG_FUNCTION_ARGS)
 	int32		attempt;
 	int64		lease;
 	TimestampTz now = idem_now();
-	Datum		values[5];
-	char		nulls[6] = "     ";
+	RowChange	ch = {0};
 
 	request_key_args(fcinfo, &rk);
 	attempt = attempt_arg(fcinfo, 2);
 	lease = idem_positive_interval_arg(fcinfo, 3, "lease");
-	values[3] = TimestampTzGetDatum(now + lease);
-	values[4] = TimestampTzGetDatum(now);
-	holder_update(ST_EXTEND, &rk, attempt, false, values, nulls);
+	ch.cond = COND_HELD;
+	set_column(&ch, C_LEASE_UNTIL, TimestampTzGetDatum(now + lease), false);
+	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(now), false);
+	holder_update(ST_EXTEND, &rk, attempt, false, &ch, "idem_request_extend()");
 	PG_RETURN_VOID();
 }
 
@@ -1085,8 +1377,7 @@ idem_request_complete(PG_FUNCTION_ARGS)
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	RequestKey	rk;
 	int32		attempt;
-	Datum		values[8];
-	char		nulls[9] = "        ";
+	RowChange	ch = {0};
 	RequestRow	row;
 	ResponseColumns rc;
 
@@ -1102,29 +1393,33 @@ idem_request_complete(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("response and response_body cannot both be given"),
 				 errdetail("The body is stored once: as jsonb (response) or as text (response_body).")));
+	ch.cond = COND_STARTED;
+	set_column(&ch, C_STATUS, CStringGetTextDatum("completed"), false);
+	set_column(&ch, C_LEASE_UNTIL, (Datum) 0, true);
 	/* detoasted: they are returned as well as stored */
-	values[3] = PG_ARGISNULL(2) ? (Datum) 0 : JsonbPGetDatum(PG_GETARG_JSONB_P(2));
-	nulls[3] = PG_ARGISNULL(2) ? 'n' : ' ';
-	nullable_arg(fcinfo, 4, &values[4], &nulls[4]);
-	values[5] = TimestampTzGetDatum(idem_now());
-	values[6] = PG_ARGISNULL(5) ? (Datum) 0 : PointerGetDatum(PG_GETARG_TEXT_PP(5));
-	nulls[6] = PG_ARGISNULL(5) ? 'n' : ' ';
-	values[7] = PG_ARGISNULL(6) ? (Datum) 0 :
-		JsonbPGetDatum(request_headers(PG_GETARG_JSONB_P(6)));
-	nulls[7] = PG_ARGISNULL(6) ? 'n' : ' ';
+	set_column(&ch, C_RESPONSE, PG_ARGISNULL(2) ? (Datum) 0 : JsonbPGetDatum(PG_GETARG_JSONB_P(2)),
+			   PG_ARGISNULL(2));
+	set_column(&ch, C_RESPONSE_STATUS, PG_ARGISNULL(4) ? (Datum) 0 : PG_GETARG_DATUM(4),
+			   PG_ARGISNULL(4));
+	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(idem_now()), false);
+	set_column(&ch, C_RESPONSE_BODY,
+			   PG_ARGISNULL(5) ? (Datum) 0 : PointerGetDatum(PG_GETARG_TEXT_PP(5)),
+			   PG_ARGISNULL(5));
+	set_column(&ch, C_RESPONSE_HEADERS, PG_ARGISNULL(6) ? (Datum) 0 :
+			   JsonbPGetDatum(request_headers(PG_GETARG_JSONB_P(6))), PG_ARGISNULL(6));
 	InitMaterializedSRF(fcinfo, 0);
-	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), values, nulls);
+	holder_update(ST_COMPLETE, &rk, attempt, PG_ARGISNULL(3), &ch, "idem_request_complete()");
 	idem_stats_count_scope(rk.claim_scope, IDEM_STAT_REQUESTS_COMPLETED, 1);
 
 	/* what was stored, as begin() will return it */
-	row.response = values[3];
-	row.response_null = nulls[3] == 'n';
-	row.response_status = values[4];
-	row.response_status_null = nulls[4] == 'n';
-	row.response_body = values[6];
-	row.response_body_null = nulls[6] == 'n';
-	row.response_headers = values[7];
-	row.response_headers_null = nulls[7] == 'n';
+	row.response = ch.values[C_RESPONSE];
+	row.response_null = ch.nulls[C_RESPONSE];
+	row.response_status = ch.values[C_RESPONSE_STATUS];
+	row.response_status_null = ch.nulls[C_RESPONSE_STATUS];
+	row.response_body = ch.values[C_RESPONSE_BODY];
+	row.response_body_null = ch.nulls[C_RESPONSE_BODY];
+	row.response_headers = ch.values[C_RESPONSE_HEADERS];
+	row.response_headers_null = ch.nulls[C_RESPONSE_HEADERS];
 	response_columns("completed", &row, false, &rc);
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, rc.values, rc.nulls);
 	return (Datum) 0;
@@ -1140,13 +1435,17 @@ idem_request_abandon(PG_FUNCTION_ARGS)
 {
 	RequestKey	rk;
 	int32		attempt;
-	Datum		values[4];
-	char		nulls[5] = "    ";
+	RowChange	ch = {0};
 
 	request_key_args(fcinfo, &rk);
 	attempt = optional_attempt_arg(fcinfo, 2);
-	values[3] = TimestampTzGetDatum(idem_now());
+	ch.cond = COND_ANY;
+	set_column(&ch, C_STATUS, CStringGetTextDatum("abandoned"), false);
+	for (int i = C_LEASE_UNTIL; i <= C_RESPONSE_HEADERS; i++)
+		if (i != C_ATTEMPT)
+			set_column(&ch, i, (Datum) 0, true);
+	set_column(&ch, C_UPDATED_AT, TimestampTzGetDatum(idem_now()), false);
 	/* nothing to forget is fine, but not an attempt that is not the latest */
-	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), values, nulls);
+	holder_update(ST_ABANDON, &rk, attempt, PG_ARGISNULL(2), &ch, "idem_request_abandon()");
 	PG_RETURN_VOID();
 }

@@ -10,7 +10,10 @@
 #   c  3.6 M claims over 30 days in hourly partitions (721 live): idem_configure
 #      refuses that shape; the refusal is printed and the shape its hint
 #      recommends (same retention and claims, the hinted interval) is built.
-# Shapes a and c scale with b: their claim counts are multiplied by
+#   d  IDEM_SCALE_D_SEALED (default 99) sealed hourly partitions of 20 000
+#      claims each (retention that many hours, premake 1): the filter-group
+#      shape, where a new key is ruled out by one test per group of 16
+# Shapes a, c and d scale with b: their claim counts are multiplied by
 # IDEM_SCALE_CLAIMS_PER_PARTITION / 1 050 000.
 #
 # How a shape is built (honestly, with the extension's own code): the
@@ -48,7 +51,7 @@
 #               the window on, as by default)
 #
 # Needs test/bench/run (it exports IDEM_DATA/IDEM_BINDIR for the restart).
-# Settings: IDEM_SCALE_SHAPES (default "a b c"), IDEM_SCALE_CLAIMS_PER_PARTITION
+# Settings: IDEM_SCALE_SHAPES (default "a b c d"), IDEM_SCALE_D_SEALED (default 99), IDEM_SCALE_CLAIMS_PER_PARTITION
 # (default 1050000), IDEM_SCALE_MODES (default "local preloaded"),
 # IDEM_SCALE_CASES (default "new dup hot32 conn first lag many-new many-dup late";
 # memory is always measured), IDEM_SCALE_KEEP=1 keeps the shape databases; rounds, seconds and clients from
@@ -59,7 +62,8 @@ dir=$(cd "$(dirname "$0")" && pwd)
 . "$dir/lib.sh"
 
 CPP=${IDEM_SCALE_CLAIMS_PER_PARTITION:-1050000}
-SHAPES=${IDEM_SCALE_SHAPES:-a b c}
+SHAPES=${IDEM_SCALE_SHAPES:-a b c d}
+D_SEALED=${IDEM_SCALE_D_SEALED:-99}
 MODES=${IDEM_SCALE_MODES:-local preloaded}
 KEY_BASE=1000000000
 NEW_LO=1000000000000          # new keys: far above every loaded key
@@ -115,10 +119,10 @@ SQL
     INFO[c_interval]=$(sed -n 's/.*at least \([0-9]*\) seconds.*/\1/p' <<<"$hint")
 }
 
-# build_shape NAME RETENTION_S INTERVAL_S PER_PARTITION SPAN_S
+# build_shape NAME RETENTION_S INTERVAL_S PER_PARTITION SPAN_S [PREMAKE]
 build_shape() {
     local name=$1 ret=$2 ivl=$3 per=$4 span=$5 db=idem_scale_$1
-    local realnow t off line rel lo up from to g0=0 nparts=0 started=$SECONDS
+    local premake=${6:-} realnow t off line rel lo up from to g0=0 nparts=0 started=$SECONDS
     q -d postgres -c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db" >/dev/null
     realnow=$(q -d "$db" -c "SELECT floor(extract(epoch FROM now()))::bigint")
     t=$((realnow - span))
@@ -138,7 +142,8 @@ SQL
     fi
     q -d "$db" >/dev/null <<SQL
 SET idempotency.debug_clock_offset = $off;
-SELECT idem_configure(retention => make_interval(secs => $ret), partition_interval => make_interval(secs => $ivl));
+SELECT idem_configure(retention => make_interval(secs => $ret), partition_interval => make_interval(secs => $ivl),
+                      premake => ${premake:-NULL});
 SQL
     while ((t < realnow)); do
         off=$((t + 2 - $(date +%s)))
@@ -194,6 +199,7 @@ SELECT format('%s claims (%s in bench_plain) in %s partitions holding claims, %s
 FROM idempotency.partitions WHERE store = 'claims';
 SQL
 )
+    INFO[${name}_groups]=$(q -d "$db" -c "SELECT format('%s groups, %s members, %s keys', count(*), sum(cardinality(members)), sum(nkeys)) FROM idempotency.filter_groups")
     echo "  shape $name built in $((SECONDS - started)) s: ${INFO[${name}_desc]}"
 }
 
@@ -297,7 +303,8 @@ for s in $SHAPES; do
         a) build_shape a $((7 * DAY)) $DAY "$(scaled 125000)" $((7 * DAY)) ;;
         b) build_shape b $((29 * DAY)) $DAY "$CPP" $((29 * DAY)) ;;
         c) build_shape c $((30 * DAY)) 3600 0 $((30 * DAY)) ;;
-        *) echo "unknown shape '$s' (a, b or c)" >&2; exit 1 ;;
+        d) build_shape d $((D_SEALED * 3600)) 3600 "$(scaled 20000)" $((D_SEALED * 3600)) 1 ;;
+        *) echo "unknown shape '$s' (a, b, c or d)" >&2; exit 1 ;;
     esac
     bench_late_summaries "idem_scale_$s" 3 200000
 done
@@ -326,6 +333,7 @@ for s in $SHAPES; do
         a) echo "- (a) 1 M claims shape, 8 daily partitions: ${INFO[a_desc]}" ;;
         b) echo "- (b) 30 daily partitions: ${INFO[b_desc]}" ;;
         c) echo "- (c) hourly, 30 days: refused (${INFO[c_refusal]}); built instead with partition_interval ${INFO[c_interval]} s: ${INFO[c_desc]}" ;;
+        d) echo "- (d) $D_SEALED sealed hourly partitions: ${INFO[d_desc]}; filter groups: ${INFO[d_groups]}" ;;
     esac
 done
 echo

@@ -82,7 +82,7 @@ SELECT throws_ok($$SELECT idem_configure(retention => '1 hour', partition_interv
 SELECT throws_ok($$SELECT idem_configure(partition_interval => '500 milliseconds')$$,
                  '22023', NULL, 'partition_interval under 1 second raises 22023');
 SELECT throws_ok($$SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30)$$,
-                 '22023', 'too many live partitions: 3631, at most 100',
+                 '22023', 'too many live partitions: 3631, at most 400',
                  'a shape with more live partitions than the claim path serves raises 22023');
 SELECT lives_ok($$SELECT idem_configure(retention => '1 minute', partition_interval => '1 second', premake => 30)$$,
                 'idem_configure with 1-second partitions');
