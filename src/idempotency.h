@@ -54,5 +54,6 @@
 #define IDEM_LOCKTAG_DELIVERY	0x4944	/* making a subscription's deliveries row */
 #define IDEM_LOCKTAG_DELIVERY_ROWS	0x4941	/* who makes a subscription's rows: relays or an operator */
 #define IDEM_LOCKTAG_SUBSCRIPTION	0x4953	/* a subscription's name: in use, or changing */
+#define IDEM_LOCKTAG_EMIT		0x4945	/* emitting to an outbox aggregate */
 
 #endif							/* IDEMPOTENCY_H */

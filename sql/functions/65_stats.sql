@@ -73,40 +73,22 @@ COMMENT ON VIEW idempotency.consumers IS
 -- counts as dead.  Only stored events wait: what outbox_mode 'wal' emitted
 -- (no row) went out through logical decoding, and a relay passes over its
 -- seqs.  An aggregate a subscription has no deliveries row for has had
--- nothing delivered to it (under start 'earliest', until its relays first
--- meet it, that counts events that retention has dropped).
+-- nothing delivered to it.
 CREATE OR REPLACE VIEW idempotency.outbox_backlog AS
 WITH pending AS (
-    SELECT b.name AS subscription, s.aggregate_type, s.aggregate_id, a.done,
-           CASE WHEN s.stored_seq <= a.done THEN 0
-                -- every seq after done is stored
-                WHEN s.wal_seq <= a.done THEN s.stored_seq - a.done
-                -- modes mixed after done: count the rows
-                ELSE (SELECT count(*) FROM idempotency.outbox_events o
-                      WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
-                        AND o.seq > a.done)
-           END AS waiting
-    FROM idempotency.outbox_subscriptions b
-    JOIN idempotency.outbox_sequences s
-      ON b.aggregate_types IS NULL OR s.aggregate_type = ANY (b.aggregate_types)
-    LEFT JOIN idempotency.outbox_deliveries d
-      ON d.subscription = b.id AND d.aggregate_type = s.aggregate_type AND d.aggregate_id = s.aggregate_id
-    CROSS JOIN LATERAL (
-        SELECT coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END AS done) a
-    WHERE b.detached_at IS NULL
-), by_type AS (
-    SELECT p.subscription, p.aggregate_type,
-           sum(p.waiting) AS pending,
+    SELECT b.name AS subscription, e.aggregate_type, count(*) AS waiting,
            min(e.created_at) AS oldest
+    FROM idempotency.outbox_subscriptions b
+    JOIN idempotency.outbox_events e
+      ON b.aggregate_types IS NULL OR e.aggregate_type = ANY (b.aggregate_types)
+    LEFT JOIN idempotency.outbox_deliveries d
+      ON d.subscription = b.id AND d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
+    WHERE b.detached_at IS NULL
+      AND e.seq > coalesce(d.acked_seq, 0) + CASE WHEN d.dead_seq > d.acked_seq THEN 1 ELSE 0 END
+    GROUP BY b.name, e.aggregate_type
+), by_type AS (
+    SELECT p.subscription, p.aggregate_type, p.waiting AS pending, p.oldest
     FROM pending p
-    LEFT JOIN LATERAL (
-        SELECT o.created_at FROM idempotency.outbox_events o
-        WHERE o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
-          AND o.seq > p.done
-        ORDER BY o.seq
-        LIMIT 1) e ON true
-    WHERE p.waiting > 0
-    GROUP BY p.subscription, p.aggregate_type
 ), dead AS (
     SELECT b.name AS subscription, l.aggregate_type, count(*) AS dead
     FROM idempotency.outbox_dead_letters l

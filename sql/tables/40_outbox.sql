@@ -6,9 +6,9 @@
 -- (declarative LIST partitions on "bucket", one random bucket per partition,
 -- so a publication with publish_via_partition_root sees every partition, old
 -- and new, and partitions restored from a dump never clash with those
--- CREATE EXTENSION made).  Nothing ever updates or deletes an event: the
--- emit counter of an aggregate lives in outbox_sequences, its delivery state
--- in outbox_deliveries, both narrow tables whose updates touch no indexed
+-- CREATE EXTENSION made).  Nothing ever updates or deletes an event: seqs
+-- that no row carries live in outbox_sequences, delivery state in
+-- outbox_deliveries, both narrow tables whose updates touch no indexed
 -- column (HOT).  Any number of subscriptions read the one log, each with a
 -- deliveries row per aggregate, a cursor and dead letters of its own.  See
 -- src/delivery/outbox.c and src/delivery/outbox_subscriptions.c.
@@ -39,17 +39,20 @@ CREATE TABLE idempotency.outbox_partitions (
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_partitions', '');
 
--- Per aggregate: the seq of its newest event.  Emitters update it (and hold
--- its row lock to commit: that is what makes seq gap-free and in commit
--- order).  stored_seq and wal_seq say which of those seqs have an event row:
--- outbox_mode 'wal' emits none (logical decoding delivers it), so no relay
--- waits for it and the backlog does not count it.
+-- Per aggregate: the seqs its event rows do not carry.  An emit takes seq
+-- from the aggregate's newest event row or this counter, whichever is
+-- greater, under the aggregate's emit lock (src/delivery/outbox_emit.c), so
+-- table-mode emits write no counter.  Written only by emits in
+-- outbox_mode 'wal', which store no row (last_seq and wal_seq: the newest
+-- such seq), and by retention, before it drops the partition that holds an
+-- aggregate's newest event (last_seq and stored_seq: that event's seq).
+-- Most aggregates have no row.
 CREATE TABLE idempotency.outbox_sequences (
     aggregate_type text COLLATE "C" NOT NULL,
     aggregate_id   text COLLATE "C" NOT NULL,
-    last_seq       bigint NOT NULL,
-    stored_seq     bigint NOT NULL DEFAULT 0,   -- the newest seq stored as a row (0: none)
-    wal_seq        bigint NOT NULL DEFAULT 0,   -- the newest seq not stored ('wal'; 0: none)
+    last_seq       bigint NOT NULL,             -- the newest seq it carries
+    stored_seq     bigint NOT NULL DEFAULT 0,   -- the newest seq of a dropped row (0: none)
+    wal_seq        bigint NOT NULL DEFAULT 0,   -- the newest seq never stored ('wal'; 0: none)
     PRIMARY KEY (aggregate_type, aggregate_id)
 ) WITH (fillfactor = 50);
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_sequences', '');

@@ -9,13 +9,13 @@
  * partitions of idempotency.outbox_events (store.c), written straight
  * into the partition (rows.c); what changes lives apart, in two narrow
  * tables whose updates leave every index alone (HOT):
- *	- outbox_sequences: per aggregate, the seq of its newest event (and of
- *	  its newest stored and unstored one, for the backlog).  An emit
- *	  increments it (outbox_emit.c moves an existing counter on directly,
- *	  locked and updated as an UPDATE would; INSERT ... ON CONFLICT DO
- *	  UPDATE for the aggregate's first event) and so holds its row lock to
- *	  commit: emits to one aggregate serialise, seq follows commit order,
- *	  and a rollback takes its number back (no gaps).  An emit writes
+ *	- outbox_sequences: per aggregate, the seqs no event row carries (of
+ *	  'wal' emits, and those whose rows retention dropped).  An emit takes
+ *	  its aggregate's emit lock (an advisory lock on a hash of the
+ *	  aggregate, to commit) and continues from the newest seq of the
+ *	  aggregate's rows or counter (outbox_emit.c): emits to one aggregate
+ *	  serialise, seq follows commit order, and a rollback takes its number
+ *	  back with its row (no gaps).  A table-mode emit writes its row and
  *	  nothing else, however many subscriptions read the log.
  *	- outbox_deliveries: per subscription and aggregate, acked_seq
  *	  (delivered up to here), the lease, attempts of the head event,
@@ -46,12 +46,14 @@
  *	  scans.
  *	- parking: an aggregate whose head failed (nack), is dead-lettered, or
  *	  was redriven has retry_at set and is found through the partial index
- *	  on retry_at instead, until it has nothing pending.  Unparking reads
- *	  the newest stored seq under FOR SHARE SKIP LOCKED: with an emit in
- *	  flight (the row is locked) it does not unpark, and leaves the
- *	  aggregate due now instead (the next claim looks again), so it never
- *	  waits for an emitter (which may be a prepared transaction) and never
- *	  leaves a new event behind the cursor.
+ *	  on retry_at instead, until it has nothing pending.  Unparking takes
+ *	  the aggregate's emit lock only if it is free at once
+ *	  (outbox_emits_idle()), and then reads the newest stored seq: with an
+ *	  emit in flight it does not unpark, and leaves the aggregate due now
+ *	  instead (the next claim looks again), so it never waits for an
+ *	  emitter (which may be a prepared transaction) and never leaves a new
+ *	  event behind the cursor; holding the lock, the next emit waits for
+ *	  its commit.
  *
  * Delivery states.  Every state of a deliveries row has a way out, and the
  * CHECK constraints on the table keep out those that would not:
@@ -69,20 +71,23 @@
  *	  lease ends, however it ends (CHECK: only beside a lease).
  *
  * Locking rules:
- *	- emit: the aggregate's outbox_sequences row, to commit.  emit_many
- *	  takes those rows in sorted order before writing anything, so two
- *	  batches never wait on each other in a cycle.
+ *	- emit: outbox_sequences in RowExclusiveLock, then the aggregate's emit
+ *	  lock, to commit.  emit_many takes its aggregates' locks in one order
+ *	  (by hash) before writing anything, so two batches never wait on each
+ *	  other in a cycle; a batch that would take more than
+ *	  OUTBOX_MAX_EMIT_LOCKS takes outbox_sequences in ExclusiveLock
+ *	  instead.
  *	- claim: outbox_deliveries rows with FOR UPDATE SKIP LOCKED: a relay
  *	  never waits for another relay; an aggregate locked by one is left to
  *	  it.  A relay makes a missing row only under conditional locks (see
  *	  outbox_ensure_deliveries()), and leaves the aggregate to whoever
  *	  holds them, so it never waits on another's insert either.  ack,
  *	  nack, redrive and discard lock rows (waiting) in sorted order, and
- *	  before they make rows the subscription's rows lock (waiting).  Relays never lock outbox_sequences except to unpark (FOR
- *	  SHARE SKIP LOCKED, after their deliveries row: they never wait for an
- *	  emitter), and emitters never lock outbox_deliveries, so emitters and
- *	  relays never deadlock.  An emitter may wait for the commit of a relay
- *	  that just unparked its aggregate (the relay's share lock).
+ *	  before they make rows the subscription's rows lock (waiting).  Relays take emit locks only to unpark (only if free at
+ *	  once, after their deliveries row: they never wait for an emitter),
+ *	  and emitters never lock outbox_deliveries, so emitters and relays
+ *	  never deadlock.  An emitter may wait for the commit of a relay that
+ *	  just unparked its aggregate (the relay holds its emit lock).
  *	- the cursor row is written with SKIP LOCKED: a busy row means another
  *	  relay is moving it.
  *
@@ -241,10 +246,20 @@ idem_outbox_init(void)
 	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
 	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error, d.redrive_seq," \
 	" coalesce(s.last_seq, 0), d.row_ctid"
+/*
+ * The newest seq: of the aggregate's event rows (newest first in every
+ * partition's (aggregate_type, aggregate_id, seq) index) or of its counter
+ * ('wal' seqs, and those whose rows retention dropped), whichever is
+ * greater.
+ */
+#define NEWEST_SEQ(t, i) \
+	"greatest((SELECT s.last_seq FROM idempotency.outbox_sequences s" \
+	"   WHERE s.aggregate_type = " t " AND s.aggregate_id = " i " LIMIT 1)," \
+	"  (SELECT e.seq FROM idempotency.outbox_events e" \
+	"   WHERE e.aggregate_type = " t " AND e.aggregate_id = " i \
+	"   ORDER BY e.seq DESC LIMIT 1))"
 #define DELIVERY_JOIN_SEQUENCES \
-	" LEFT JOIN LATERAL (SELECT s.last_seq FROM idempotency.outbox_sequences s" \
-	"   WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id" \
-	"   LIMIT 1) s ON true"
+	" CROSS JOIN LATERAL (SELECT " NEWEST_SEQ("d.aggregate_type", "d.aggregate_id") " AS last_seq) s"
 /* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
 #define DELIVERIES_BY_KEYS(sub, cond, lock) \
 	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
@@ -261,33 +276,20 @@ idem_outbox_init(void)
 	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
 	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
 
-/* the counter moves; what is stored and what went to the WAL only ($3: stored) */
-#define COUNTER_COLUMNS(n) \
-	"last_seq = q.last_seq + " n "," \
-	"  stored_seq = CASE WHEN $3 THEN q.last_seq + " n " ELSE q.stored_seq END," \
-	"  wal_seq = CASE WHEN $3 THEN q.wal_seq ELSE q.last_seq + " n " END"
-
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
-	/* an aggregate without a counter (outbox_emit.c moves existing ones): make it, or take it over from a racer */
-	[ST_EMIT_SEQ] = {
+	/*
+	 * 'wal' emits: the counters carry their seqs ($2 ids, sorted, $3 the
+	 * newest seq of each; outbox_emit.c holds their emit locks)
+	 */
+	[ST_WAL_SEQ] = {
 		"INSERT INTO idempotency.outbox_sequences AS q"
 		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
-		" VALUES ($1, $2, 1, CASE WHEN $3 THEN 1 ELSE 0 END, CASE WHEN $3 THEN 0 ELSE 1 END)"
-		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET " COUNTER_COLUMNS("1")
-		" RETURNING q.last_seq",
-		3, {TEXTOID, TEXTOID, BOOLOID}
-	},
-	/* counts per aggregate ($2 ids, $4 counts), in the (sorted) order given: that is lock order */
-	[ST_RESERVE] = {
-		"INSERT INTO idempotency.outbox_sequences AS q"
-		"  (aggregate_type, aggregate_id, last_seq, stored_seq, wal_seq)"
-		" SELECT $1, u.id, u.n, CASE WHEN $3 THEN u.n ELSE 0 END, CASE WHEN $3 THEN 0 ELSE u.n END"
-		" FROM unnest($2::text[], $4::int8[]) WITH ORDINALITY AS u(id, n, ord)"
+		" SELECT $1, u.id, u.seq, 0, u.seq"
+		" FROM unnest($2::text[], $3::int8[]) WITH ORDINALITY AS u(id, seq, ord)"
 		" ORDER BY u.ord"
 		" ON CONFLICT (aggregate_type, aggregate_id)"
-		" DO UPDATE SET " COUNTER_COLUMNS("excluded.last_seq")
-		" RETURNING q.aggregate_id, q.last_seq",
-		4, {TEXTOID, TEXTARRAYOID, BOOLOID, INT8ARRAYOID}
+		" DO UPDATE SET last_seq = excluded.last_seq, wal_seq = excluded.wal_seq",
+		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor WHERE subscription = $1",
@@ -366,25 +368,24 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
 	/*
-	 * Unpark if nothing stored is pending: the counter's row under FOR SHARE
-	 * SKIP LOCKED, so that a committed emit's seq is seen and the next emit
-	 * waits for this transaction; an emit in flight (a locked row: NULL)
-	 * keeps the aggregate parked, due at $3 at the latest, instead of a
-	 * wait.  No counter at all: nothing was ever emitted.
+	 * Unpark if nothing stored is pending, holding the emit lock ($4: it
+	 * was free, see outbox_emits_idle()): this statement's snapshot, taken
+	 * after it, sees every committed emit, and the next emit waits for this
+	 * transaction.  An emit in flight (the lock busy) keeps the aggregate
+	 * parked, due at $3 at the latest, instead of a wait.
 	 */
 	[ST_UNPARK] = {
 		"UPDATE idempotency.outbox_deliveries d"
 		" SET retry_at = CASE"
-		"   WHEN d.acked_seq >= (SELECT s.stored_seq FROM idempotency.outbox_sequences s"
-		"                        WHERE s.aggregate_type = d.aggregate_type"
-		"                          AND s.aggregate_id = d.aggregate_id FOR SHARE SKIP LOCKED)"
-		"     OR NOT EXISTS (SELECT FROM idempotency.outbox_sequences s"
-		"                    WHERE s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id)"
+		"   WHEN $4 AND d.acked_seq >= coalesce((SELECT e.seq FROM idempotency.outbox_events e"
+		"                                        WHERE e.aggregate_type = d.aggregate_type"
+		"                                          AND e.aggregate_id = d.aggregate_id"
+		"                                        ORDER BY e.seq DESC LIMIT 1), 0)"
 		"   THEN NULL ELSE greatest(d.retry_at, $3) END"
-		" WHERE d.subscription = $4"
+		" WHERE d.subscription = $5"
 		"   AND d.aggregate_type = $1 COLLATE \"C\" AND d.aggregate_id = $2 COLLATE \"C\""
 		"   AND d.retry_at IS NOT NULL AND d.dead_seq IS NULL AND d.lease_token IS NULL",
-		4, {TEXTOID, TEXTOID, TIMESTAMPTZOID, INT4OID}
+		5, {TEXTOID, TEXTOID, TIMESTAMPTZOID, BOOLOID, INT4OID}
 	},
 	[ST_DEAD_LETTER] = {
 		"INSERT INTO idempotency.outbox_dead_letters"
@@ -637,11 +638,12 @@ outbox_write_deliveries(Delivery *ds, int n, TimestampTz now)
 	{
 		if (ds[i].unpark)
 		{
-			Datum		keys[3];
+			Datum		keys[4];
 
 			keys[0] = CStringGetTextDatum(ds[i].aggregate_type);
 			keys[1] = CStringGetTextDatum(ds[i].aggregate_id);
 			keys[2] = TimestampTzGetDatum(now);
+			keys[3] = BoolGetDatum(outbox_emits_idle(ds[i].aggregate_type, ds[i].aggregate_id));
 			(void) outbox_exec(ST_UNPARK, keys, NULL, SPI_OK_UPDATE);
 		}
 	}

@@ -2,11 +2,11 @@
  *
  * outbox.h
  *	  What the files of the outbox share, and they only: outbox.c (settings,
- *	  statements, a deliveries row's states), outbox_emit.c (emit and
- *	  wake-ups), outbox_lease.c (idem_outbox_claim: parked aggregates, the
- *	  cursor, candidates), outbox_settle.c (ack, nack, extend, redrive,
- *	  discard) and outbox_subscriptions.c (subscribe, unsubscribe, the
- *	  subscription a call works for).  outbox.c's banner describes the whole.
+ *	  statements, a deliveries row's states), outbox_emit.c (emit, emit
+ *	  locks and wake-ups), outbox_lease.c (idem_outbox_claim: parked
+ *	  aggregates, the cursor, candidates), outbox_settle.c (ack, nack,
+ *	  extend, redrive, discard) and outbox_subscriptions.c (subscribe,
+ *	  unsubscribe, the subscription a call works for).  outbox.c's banner describes the whole.
  *
  *-------------------------------------------------------------------------
  */
@@ -35,6 +35,9 @@
 
 /* deliveries rows a relay makes in one transaction, at most */
 #define OUTBOX_MAX_NEW_ROWS		1024
+
+/* emit locks a transaction takes, at most (then one lock for all: outbox_emit.c) */
+#define OUTBOX_MAX_EMIT_LOCKS	512
 
 /* how often a relay writes its cursor back */
 #define OUTBOX_CURSOR_WRITE_USECS	USECS_PER_SEC
@@ -76,8 +79,7 @@ extern int	outbox_mode;
 
 typedef enum
 {
-	ST_EMIT_SEQ,
-	ST_RESERVE,
+	ST_WAL_SEQ,
 	ST_CURSOR_READ,
 	ST_CURSOR_MAKE,
 	ST_CURSOR_WRITE,
@@ -186,6 +188,7 @@ extern bool outbox_subscription_covers(const OutboxSubscription *sub, const char
 /*---- wake-ups (outbox_emit.c) ----*/
 
 extern void outbox_xact_callback(XactEvent event, void *arg);
+extern bool outbox_emits_idle(const char *type, const char *id);
 extern void outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 									SubTransactionId parentSubid, void *arg);
 

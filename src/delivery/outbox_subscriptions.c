@@ -107,12 +107,16 @@ static const IdemStatement subscription_plans[NUM_SUB_STATEMENTS] = {
 		"        '00000000-0000-0000-0000-000000000000'",
 		2, {INT4OID, BOOLOID}
 	},
-	/* 'now', after the cursor: every aggregate there is, delivered up to its newest seq */
+	/* 'now', after the cursor: every aggregate there is, delivered up to its newest seq (its rows' or its counter's) */
 	[SS_FROM_NOW] = {
 		"INSERT INTO idempotency.outbox_deliveries (subscription, aggregate_type, aggregate_id, acked_seq)"
-		" SELECT $1, s.aggregate_type, s.aggregate_id, s.last_seq"
-		" FROM idempotency.outbox_sequences s"
-		" WHERE $2::text[] IS NULL OR s.aggregate_type = ANY ($2::text[])",
+		" SELECT $1, a.t, a.i, max(a.s)"
+		" FROM (SELECT s.aggregate_type, s.aggregate_id, s.last_seq FROM idempotency.outbox_sequences s"
+		"       UNION ALL"
+		"       SELECT e.aggregate_type, e.aggregate_id, max(e.seq) FROM idempotency.outbox_events e"
+		"       GROUP BY e.aggregate_type, e.aggregate_id) a(t, i, s)"
+		" WHERE $2::text[] IS NULL OR a.t = ANY ($2::text[])"
+		" GROUP BY a.t, a.i",
 		2, {INT4OID, TEXTARRAYOID}
 	},
 	[SS_DROP] = {

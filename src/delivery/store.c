@@ -65,6 +65,22 @@ const StoreDesc idem_stores[IDEM_NSTORES] = {
 		"outbox_partition_pinned", "idempotency.outbox_keep_undelivered",
 		"SELECT EXISTS (SELECT FROM %s WHERE txid >= $1)",
 		"outbox_detach_lagging", "idempotency.outbox_max_lag",
+		/*
+		 * An emit takes seq from the events (outbox_emit.c): an aggregate
+		 * whose newest event goes with the partition keeps its seq in the
+		 * counter.
+		 */
+		"INSERT INTO " IDEM_SCHEMA ".outbox_sequences AS q"
+		" (aggregate_type, aggregate_id, last_seq, stored_seq)"
+		" SELECT e.aggregate_type, e.aggregate_id, max(e.seq), max(e.seq) FROM %s e"
+		" GROUP BY e.aggregate_type, e.aggregate_id"
+		" HAVING NOT EXISTS (SELECT FROM " IDEM_SCHEMA ".outbox_events o"
+		"   WHERE o.aggregate_type = e.aggregate_type AND o.aggregate_id = e.aggregate_id"
+		"     AND o.seq > max(e.seq))"
+		" ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE"
+		" SET last_seq = greatest(q.last_seq, excluded.last_seq),"
+		"     stored_seq = greatest(q.stored_seq, excluded.stored_seq)",
+		"outbox_sequences",
 	},
 	[IDEM_STORE_REQUESTS] = {
 		"requests", "requests", "request_partitions",
@@ -165,18 +181,37 @@ load_cache(IdemStoreId id)
 }
 
 /*
- * The partition a row of store "id" made at "now" goes into: the one whose
- * range covers it (the newest such), else the newest that has begun, else
- * the oldest.  Sets its table and the parent (cached with the registry: no
- * catalog look-up per write) and returns its bucket.  The caller is
- * connected to SPI.
+ * Of parts (newest first, as the cache holds them), the one a row made at
+ * ts goes into: the one whose range covers it (the newest such), else the
+ * newest that has begun, else the oldest.
  */
-int32
-idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent)
+int
+idem_store_pick(const StorePartition *parts, int n, TimestampTz ts)
+{
+	int			begun = -1;
+
+	for (int i = 0; i < n; i++)
+	{
+		if (parts[i].lower <= ts && ts < parts[i].upper)
+			return i;
+		if (begun < 0 && parts[i].lower <= ts)
+			begun = i;
+	}
+	return begun >= 0 ? begun : n - 1;
+}
+
+/* Whether a comes before b in the cache's order (newest first). */
+bool
+idem_store_newer(const StorePartition *a, const StorePartition *b)
+{
+	return newest_first(a, b) < 0;
+}
+
+/* The cache of store id, read again if invalidated (the caller is connected to SPI). */
+static StoreCache *
+current_cache(IdemStoreId id)
 {
 	StoreCache *c = &caches[id];
-	StorePartition *target = NULL;
-	StorePartition *begun = NULL;
 
 	AcceptInvalidationMessages();
 	if (c->nparts < 0)
@@ -186,22 +221,65 @@ idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent)
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("%s.%s has no partition", IDEM_SCHEMA, idem_stores[id].parent),
 				 errhint("Run SELECT idem_maintain() as the owner of the extension.")));
-	for (int i = 0; i < c->nparts && target == NULL; i++)
-	{
-		StorePartition *p = &c->parts[i];
+	return c;
+}
 
-		if (p->lower <= now && now < p->upper)
-			target = p;
-		else if (begun == NULL && p->lower <= now)
-			begun = p;
-	}
-	if (target == NULL)
-		target = begun != NULL ? begun : &c->parts[c->nparts - 1];
+/*
+ * A copy of store id's partitions, newest first, as the registry lists them
+ * now (after the invalidations that arrived so far); the caller is
+ * connected to SPI.
+ */
+StorePartition *
+idem_store_partitions(IdemStoreId id, int *n)
+{
+	StoreCache *c = current_cache(id);
+	StorePartition *parts = palloc(sizeof(StorePartition) * c->nparts);
+
+	memcpy(parts, c->parts, sizeof(StorePartition) * c->nparts);
+	*n = c->nparts;
+	return parts;
+}
+
+/*
+ * The partition a row of store "id" made at "now" goes into (see
+ * idem_store_pick()).  Sets its table and the parent (cached with the
+ * registry: no catalog look-up per write) and returns its bucket.  The
+ * caller is connected to SPI.
+ */
+int32
+idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent)
+{
+	StoreCache *c = current_cache(id);
+	StorePartition *target = &c->parts[idem_store_pick(c->parts, c->nparts, now)];
+
 	if (relid != NULL)
 		*relid = target->relid;
 	if (parent != NULL)
 		*parent = c->parent;
 	return target->bucket;
+}
+
+/*
+ * Partition relid of store id, opened with RowExclusiveLock for a write
+ * without the executor (rows.c) and checked for the columns its rows must
+ * have, in order; NULL if it is gone.
+ */
+Relation
+idem_store_open_partition(IdemStoreId id, Oid relid, const char *const *columns, int ncolumns)
+{
+	Relation	rel = try_table_open(relid, RowExclusiveLock);
+	TupleDesc	desc;
+
+	if (rel == NULL)
+		return NULL;
+	desc = RelationGetDescr(rel);
+	for (int i = 0; i < ncolumns; i++)
+		if (desc->natts != ncolumns ||
+			TupleDescAttr(desc, i)->attisdropped ||
+			strcmp(NameStr(TupleDescAttr(desc, i)->attname), columns[i]) != 0)
+			elog(ERROR, "%s partition \"%s\" does not have the columns of %s.%s",
+				 idem_stores[id].name, RelationGetRelationName(rel), IDEM_SCHEMA, idem_stores[id].parent);
+	return rel;
 }
 
 /*
@@ -218,31 +296,19 @@ idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
 	for (int attempt = 0;; attempt++)
 	{
 		Oid			relid;
-		Oid			parent;
 		Relation	rel;
-		TupleDesc	desc;
 
-		*bucket = idem_store_target(id, ts, &relid, &parent);
-		rel = try_table_open(relid, RowExclusiveLock);
-		if (rel == NULL)
-		{
-			/* dropped since this backend read the registry: read it again */
-			if (attempt > 0)
-				ereport(ERROR,
-						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-						 errmsg("the %s partition for bucket %d is gone", idem_stores[id].name, *bucket),
-						 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
-			idem_store_forget(id);
-			continue;
-		}
-		desc = RelationGetDescr(rel);
-		for (int i = 0; i < ncolumns; i++)
-			if (desc->natts != ncolumns ||
-				TupleDescAttr(desc, i)->attisdropped ||
-				strcmp(NameStr(TupleDescAttr(desc, i)->attname), columns[i]) != 0)
-				elog(ERROR, "%s partition \"%s\" does not have the columns of %s.%s",
-					 idem_stores[id].name, RelationGetRelationName(rel), IDEM_SCHEMA, idem_stores[id].parent);
-		return rel;
+		*bucket = idem_store_target(id, ts, &relid, NULL);
+		rel = idem_store_open_partition(id, relid, columns, ncolumns);
+		if (rel != NULL)
+			return rel;
+		/* dropped since this backend read the registry: read it again */
+		if (attempt > 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("the %s partition for bucket %d is gone", idem_stores[id].name, *bucket),
+					 errhint("Run SELECT idem_maintain(); if it was dropped by hand, the next round forgets it.")));
+		idem_store_forget(id);
 	}
 }
 

@@ -58,6 +58,15 @@ typedef struct StoreDesc
 	 */
 	const char *detach;
 	const char *detach_after;
+
+	/*
+	 * Run before a partition is dropped, holding the locks of the drop (%s
+	 * the partition), after locking table before_drop_table (in
+	 * IDEM_SCHEMA) RowExclusiveLock if free; NULL: nothing.  The outbox
+	 * carries its aggregates' newest seqs into their counters.
+	 */
+	const char *before_drop;
+	const char *before_drop_table;
 } StoreDesc;
 
 extern const StoreDesc idem_stores[IDEM_NSTORES];
@@ -65,6 +74,11 @@ extern const StoreDesc idem_stores[IDEM_NSTORES];
 extern StorePartition *idem_store_read_partitions(const StoreDesc *d, int *n);
 extern int32 idem_store_target(IdemStoreId id, TimestampTz now, Oid *relid, Oid *parent);
 extern void idem_store_forget(IdemStoreId id);
+extern StorePartition *idem_store_partitions(IdemStoreId id, int *n);
+extern int	idem_store_pick(const StorePartition *parts, int n, TimestampTz ts);
+extern bool idem_store_newer(const StorePartition *a, const StorePartition *b);
+extern Relation idem_store_open_partition(IdemStoreId id, Oid relid,
+										  const char *const *columns, int ncolumns);
 extern Relation idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
 									   const char *const *columns, int ncolumns);
 extern void idem_store_init(void);

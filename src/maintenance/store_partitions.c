@@ -22,7 +22,10 @@
  *	  dropped at once: writers and readers wait only for the DROPs
  *	  themselves and the commit that follows (the stores' steps come last in
  *	  a round; call idem_maintain() on its own, not inside a longer
- *	  transaction).
+ *	  transaction).  A store with a step before its drops (the outbox:
+ *	  its aggregates' counters carry the seqs of the newest events that
+ *	  go) also has that step's table locked RowExclusiveLock, only if
+ *	  free, before any drop.
  *	- Whether a partition holds young rows or is pinned is read before
  *	  those locks, under the latest snapshot, and again once the partition
  *	  is locked: then no writer is in progress there (a prepared one keeps
@@ -287,18 +290,24 @@ partition_pinned(const StoreDesc *d, Oid relid)
 		isnull;
 }
 
-/* Lock a relation AccessExclusive if it is free now or within half a second. */
+/* Lock a relation in mode if it is free now or within half a second. */
 static bool
-try_lock_exclusive(Oid relid)
+try_lock_mode(Oid relid, LOCKMODE mode)
 {
 	for (int i = 0; i < DROP_LOCK_TRIES; i++)
 	{
-		if (ConditionalLockRelationOid(relid, AccessExclusiveLock))
+		if (ConditionalLockRelationOid(relid, mode))
 			return true;
 		CHECK_FOR_INTERRUPTS();
 		pg_usleep(DROP_LOCK_PAUSE_USECS);
 	}
 	return false;
+}
+
+static bool
+try_lock_exclusive(Oid relid)
+{
+	return try_lock_mode(relid, AccessExclusiveLock);
 }
 
 typedef struct DropCall
@@ -500,7 +509,15 @@ drop_batch(void *arg)
 	}
 	if (locked == 0)
 		return false;
-	if (!try_lock_exclusive(b->r->parent))
+	/*
+	 * The store's step before a drop writes a table of its own (the
+	 * outbox's counters): taken only if free, like the others, so that a
+	 * writer holding it (a bulk emit) never waits for the drop's locks
+	 * while the drop waits for it.
+	 */
+	if (!try_lock_exclusive(b->r->parent) ||
+		(b->r->d->before_drop_table != NULL &&
+		 !try_lock_mode(idem_internal_relid(b->r->d->before_drop_table), RowExclusiveLock)))
 	{
 		for (int i = 0; i < b->n; i++)
 			if (b->calls[i].droppable)
@@ -514,6 +531,8 @@ drop_batch(void *arg)
 
 		if (!c->droppable)
 			continue;
+		if (b->r->d->before_drop != NULL)
+			idem_spi_exec(psprintf(b->r->d->before_drop, c->name), 0, NULL, NULL, SPI_OK_INSERT);
 		idem_spi_exec(psprintf("DELETE FROM %s.%s WHERE relid = $1",
 							   IDEM_SCHEMA, b->r->d->registry),
 					  1, types, values, SPI_OK_DELETE);

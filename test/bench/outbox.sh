@@ -223,14 +223,19 @@ SQL
 # ('default'), which has a deliveries row for every aggregate (warm_aggregates
 # drained them all; the others are subscribed 'now' after)
 backlog_idem() {
-    q "$1" -c "SELECT coalesce((SELECT sum(last_seq) FROM idempotency.outbox_sequences), 0)
+    q "$1" -c "SELECT coalesce((SELECT sum(m) FROM (SELECT max(seq) AS m FROM idempotency.outbox_events
+                                                   GROUP BY aggregate_type, aggregate_id) e), 0)
                     - coalesce((SELECT sum(d.acked_seq) FROM idempotency.outbox_deliveries d
                                  JOIN idempotency.outbox_subscriptions b ON b.id = d.subscription
                                 WHERE b.name = '${2:-default}'), 0)"
 }
 backlog_plain() { q "$1" -c "SELECT count(*) FROM bench_outbox"; }
 acked_idem() { q "$1" -c "SELECT coalesce(sum(acked_seq), 0) FROM idempotency.outbox_deliveries"; }
-emitted_idem() { q "$1" -c "SELECT coalesce(sum(last_seq), 0) FROM idempotency.outbox_sequences"; }
+# (table mode: the newest seq of every aggregate is in its rows)
+emitted_idem() {
+    q "$1" -c "SELECT coalesce(sum(m), 0) FROM (SELECT max(seq) AS m FROM idempotency.outbox_events
+                                                GROUP BY aggregate_type, aggregate_id) e"
+}
 
 # settle_idem DB: mark every pending event delivered with an administrative
 # ack (no lease token: leases of stopped relays do not matter); untimed

@@ -112,7 +112,8 @@ delivered() {
 # pending KIND: events not delivered yet
 pending() {
     if [[ $1 == idem ]]; then
-        q -c "SELECT (SELECT coalesce(sum(last_seq), 0) FROM idempotency.outbox_sequences)
+        q -c "SELECT (SELECT coalesce(sum(m), 0) FROM (SELECT max(seq) AS m FROM idempotency.outbox_events
+                                                       GROUP BY aggregate_type, aggregate_id) e)
                    - (SELECT coalesce(sum(acked_seq), 0) FROM idempotency.outbox_deliveries)"
     else
         q -c 'SELECT count(*) FROM hw_outbox'

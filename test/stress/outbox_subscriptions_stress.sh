@@ -233,8 +233,8 @@ expect_zero "aggregates of a subscription not acked to their newest seq" \
        JOIN idempotency.outbox_subscriptions b ON b.name = e.subscription
        LEFT JOIN idempotency.outbox_deliveries d
          ON d.subscription = b.id AND d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
-       WHERE d.acked_seq IS DISTINCT FROM (SELECT q.last_seq FROM idempotency.outbox_sequences q
-                                           WHERE q.aggregate_type = e.aggregate_type AND q.aggregate_id = e.aggregate_id)"
+       WHERE d.acked_seq IS DISTINCT FROM (SELECT max(o.seq) FROM idempotency.outbox_events o
+                                           WHERE o.aggregate_type = e.aggregate_type AND o.aggregate_id = e.aggregate_id)"
 expect_zero "leases left, parked or dead aggregates" \
     "SELECT count(*) FROM idempotency.outbox_deliveries WHERE lease_token IS NOT NULL OR retry_at IS NOT NULL
        OR dead_seq IS NOT NULL"

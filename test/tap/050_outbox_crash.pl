@@ -216,11 +216,8 @@ SELECT count(*) FROM (SELECT aggregate_type, aggregate_id FROM idempotency.outbo
 	'0', 'per aggregate, seqs are 1..max without gaps or repeats');
 is( $node->safe_psql(
 		$db, q{
-SELECT count(*) FROM (SELECT aggregate_type, aggregate_id, max(seq) AS m
-                      FROM idempotency.outbox_events GROUP BY 1, 2) e
-FULL JOIN idempotency.outbox_sequences q USING (aggregate_type, aggregate_id)
-WHERE q.last_seq IS DISTINCT FROM e.m}),
-	'0', 'the emit counters equal the highest committed seq of each aggregate');
+SELECT count(*) FROM idempotency.outbox_sequences}),
+	'0', 'no emit wrote a counter (table mode: seq comes from the events)');
 my $nload = $node->safe_psql($db, "SELECT count(*) FROM emitted WHERE aggregate_type = 'load'");
 note "load: $nload committed events before the crash";
 

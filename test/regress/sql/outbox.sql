@@ -33,7 +33,8 @@ SELECT aggregate_id, seq, event_type
   FROM idem_outbox_emit_many('order', ARRAY['o-3', 'o-2', 'o-3'], ARRAY['created', 'paid', 'paid'],
                              ARRAY['{}', '{"total": 7}', '{}']::jsonb[]);
 SELECT aggregate_id, seq, event_type, payload, headers FROM idempotency.outbox_events ORDER BY aggregate_id, seq;
-SELECT aggregate_id, last_seq FROM idempotency.outbox_sequences ORDER BY 1;
+-- table-mode emits write no counter: seq comes from the events
+SELECT count(*) AS counters FROM idempotency.outbox_sequences;
 
 -- bad input
 SELECT pg_temp.try($$SELECT idem_outbox_emit(NULL, 'o-1', 'x', '{}')$$);
