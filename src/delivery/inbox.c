@@ -46,10 +46,10 @@
  *	  finds the token gone); replay locks the messages of its range.
  *
  * Everything runs with the caller's privileges (README "Inbox"), through
- * generic plans prepared with search_path pinned (idempotency.c); the direct
- * write of a message checks INSERT on idempotency.inbox_messages as a
- * routed insert would.  Claims should run in READ COMMITTED, like the
- * outbox's.
+ * generic plans prepared with search_path pinned (idempotency.c).  The
+ * direct write of a message needs no right on idempotency.inbox_messages:
+ * the handler capability for the source (capabilities.c) allows it.
+ * Claims should run in READ COMMITTED, like the outbox's.
  *
  *-------------------------------------------------------------------------
  */

@@ -104,8 +104,9 @@
  *
  * All SQL runs through generic plans prepared once per backend with
  * search_path pinned to pg_catalog, on schema-qualified names, with the
- * caller's privileges; the direct write of events checks INSERT on
- * idempotency.outbox_events as a routed insert would.
+ * caller's privileges.  The direct write of events needs no right on
+ * idempotency.outbox_events: the handler capability for the aggregate type
+ * (capabilities.c) is what allows it, checked before anything is written.
  *
  *-------------------------------------------------------------------------
  */

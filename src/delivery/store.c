@@ -285,9 +285,9 @@ idem_store_open_partition(IdemStoreId id, Oid relid, const char *const *columns,
 /*
  * The partition a row of store "id" made at ts goes into, opened with
  * RowExclusiveLock for a write without the executor (rows.c) and checked
- * for the columns its rows must have, in order; sets its bucket.  Checks
- * INSERT on the parent, as a routed insert would.  The caller is connected
- * to SPI.
+ * for the columns its rows must have, in order; sets its bucket.  No right
+ * on the parent is checked: the caller checked the capability that allows
+ * the write (capabilities.c).  The caller is connected to SPI.
  */
 Relation
 idem_store_open_target(IdemStoreId id, TimestampTz ts, int32 *bucket,
