@@ -222,3 +222,20 @@ BEGIN
     RETURN fresh;
 END
 $$;
+
+-- Who runs what: this file runs as the cluster's superuser (the DBA's
+-- part); the consumers run as demo_app and the relays (and their sink
+-- connections) as demo_relay, each with only its capability on the
+-- extension's functions (README, "What to grant") and the table rights its
+-- own code needs.
+CREATE ROLE demo_app LOGIN;
+CREATE ROLE demo_relay LOGIN;
+SELECT idem_grant('demo_app', 'handler');                                -- claims, emits
+SELECT idem_grant('demo_relay', 'relay');                                -- lease, ack, nack
+SELECT idem_grant('demo_relay', 'handler', scopes => ARRAY['downstream']);  -- demo.deliver's claims
+GRANT USAGE ON SCHEMA demo TO demo_app, demo_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON demo.events, demo.inbox, demo.delivery_log, demo.effects,
+    demo.accounts, demo.handled TO demo_app;
+GRANT INSERT ON demo.received, demo.downstream_log TO demo_relay;
+GRANT SELECT, UPDATE ON demo.account_view TO demo_relay;
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA demo TO demo_app, demo_relay;
