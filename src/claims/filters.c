@@ -394,8 +394,8 @@ idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *info)
  * An empty stored filter of nbits bits (rounded up to whole blocks), for
  * idem_filter_add_hashes().
  */
-bytea *
-idem_filter_new(uint64 nbits64)
+static bytea *
+filter_new(uint64 nbits64)
 {
 	uint32		nbits;
 	bytea	   *result;
@@ -410,6 +410,20 @@ idem_filter_new(uint64 nbits64)
 	hdr->nbits = nbits;
 	filter_seal_crc(hdr);
 	return result;
+}
+
+/*
+ * An empty stored filter for a summary of *capacity keys at bits_per_key
+ * bits a key.  *capacity is lowered to what one filter can address, but
+ * never below n, the keys about to be added; it is then what the filter
+ * was sized for.
+ */
+bytea *
+idem_filter_new(int64 *capacity, int64 n, int bits_per_key)
+{
+	*capacity = Min(*capacity, (int64) (IDEM_FILTER_MAX_BITS / (uint32) bits_per_key));
+	*capacity = Max(*capacity, n);
+	return filter_new((uint64) *capacity * bits_per_key);
 }
 
 /*

@@ -33,7 +33,7 @@ extern bytea *idem_filter_build(Relation rel, Snapshot visible, IdemSealInfo *in
 extern bool idem_filter_maybe(IdemPartitionSet *set, IdemPartition *p, uint64 hash);
 extern void idem_filter_prefetch(IdemPartition *p, uint64 hash);
 extern void idem_filters_forget_others(IdemPartitionSet *set);
-extern bytea *idem_filter_new(uint64 nbits);
+extern bytea *idem_filter_new(int64 *capacity, int64 n, int bits_per_key);
 extern bool idem_filter_add_hashes(bytea *stored, const uint64 *hashes, int64 n);
 extern bool idem_filter_summary_maybe(IdemPartition *p, uint64 hash);
 extern bool idem_filter_summary_excludes(IdemPartition *p, uint64 hash);

@@ -398,10 +398,8 @@ idem_groups_add(Oid relid, const uint64 *hashes, int64 n)
 	{
 		/* sized for a group of partitions like this one */
 		capacity = Max((int64) IDEM_GROUP_MIN_CAPACITY, n * IDEM_GROUP_MAX_MEMBERS);
-		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_GROUP_BITS_PER_KEY));
 		capacity = Min(capacity, max_keys);
-		capacity = Max(capacity, n);
-		bloom = idem_filter_new((uint64) capacity * IDEM_GROUP_BITS_PER_KEY);
+		bloom = idem_filter_new(&capacity, n, IDEM_GROUP_BITS_PER_KEY);
 	}
 	if (!idem_filter_add_hashes(bloom, hashes, n))
 		ereport(ERROR,

@@ -402,9 +402,7 @@ idem_late_fold(Relation part, TimestampTz expired_from, TimestampTz expired_to, 
 			if (!isnull)
 				capacity = Max(capacity, prev + prev / 4);
 		}
-		capacity = Min(capacity, (int64) (((uint64) 0xFFFFFE00) / IDEM_LATE_BITS_PER_KEY));
-		capacity = Max(capacity, n);
-		bloom = idem_filter_new((uint64) capacity * IDEM_LATE_BITS_PER_KEY);
+		bloom = idem_filter_new(&capacity, n, IDEM_LATE_BITS_PER_KEY);
 	}
 	if (!idem_filter_add_hashes(bloom, hashes, n))
 		ereport(ERROR,

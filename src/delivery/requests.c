@@ -417,6 +417,14 @@ end_find(RequestPart *p, bool found)
 	table_close(p->parent, NoLock);
 }
 
+/* Column col of a row as read, copied out of the table; (Datum) 0 if null. */
+static Datum
+copied(Datum *v, bool *n, int col, bool *isnull)
+{
+	*isnull = n[col];
+	return *isnull ? (Datum) 0 : transfer(v[col]);
+}
+
 /* The row as read (values in request_columns' order), copied out of the table. */
 static void
 read_values(Datum *v, bool *n, RequestRow *row)
@@ -429,24 +437,14 @@ read_values(Datum *v, bool *n, RequestRow *row)
 	row->lease_until = n[C_LEASE_UNTIL] ? DT_NOBEGIN : DatumGetTimestampTz(v[C_LEASE_UNTIL]);
 	row->digest = n[C_DIGEST] ? NULL : DatumGetByteaPCopy(v[C_DIGEST]);
 	/* a stored response may be large: what begin() returns must not point into the table */
-	row->recovery_point_null = n[C_RECOVERY_POINT];
-	if (!n[C_RECOVERY_POINT])
-		row->recovery_point = transfer(v[C_RECOVERY_POINT]);
-	row->state_null = n[C_STATE];
-	if (!n[C_STATE])
-		row->state = transfer(v[C_STATE]);
-	row->response_null = n[C_RESPONSE];
-	if (!n[C_RESPONSE])
-		row->response = transfer(v[C_RESPONSE]);
+	row->recovery_point = copied(v, n, C_RECOVERY_POINT, &row->recovery_point_null);
+	row->state = copied(v, n, C_STATE, &row->state_null);
+	row->response = copied(v, n, C_RESPONSE, &row->response_null);
 	row->response_status_null = n[C_RESPONSE_STATUS];
 	row->response_status = v[C_RESPONSE_STATUS];
 	row->bucket = DatumGetInt32(v[C_BUCKET]);
-	row->response_body_null = n[C_RESPONSE_BODY];
-	if (!n[C_RESPONSE_BODY])
-		row->response_body = transfer(v[C_RESPONSE_BODY]);
-	row->response_headers_null = n[C_RESPONSE_HEADERS];
-	if (!n[C_RESPONSE_HEADERS])
-		row->response_headers = transfer(v[C_RESPONSE_HEADERS]);
+	row->response_body = copied(v, n, C_RESPONSE_BODY, &row->response_body_null);
+	row->response_headers = copied(v, n, C_RESPONSE_HEADERS, &row->response_headers_null);
 }
 
 /* The row in p->slot, if it is still the key's (a hand-made update may move a row). */

@@ -3,7 +3,7 @@
 -- outcomes and error codes.  Runs in one transaction that rolls back.
 \ir include/begin.sql
 
-SELECT plan(49);
+SELECT plan(51);
 
 -- objects
 SELECT has_schema('idempotency', 'schema idempotency exists');
@@ -84,6 +84,11 @@ SELECT throws_ok($$SELECT idem_configure(partition_interval => '500 milliseconds
 SELECT throws_ok($$SELECT idem_configure(retention => '1 hour', partition_interval => '1 second', premake => 30)$$,
                  '22023', 'too many live partitions: 3631, at most 400',
                  'a shape with more live partitions than the claim path serves raises 22023');
+SELECT lives_ok($$SELECT idem_configure(retention => '395 seconds', partition_interval => '1 second', premake => 4)$$,
+                'a shape of exactly 400 live partitions is accepted');
+SELECT throws_ok($$SELECT idem_configure(retention => '396 seconds', partition_interval => '1 second', premake => 4)$$,
+                 '22023', 'too many live partitions: 401, at most 400',
+                 'one live partition more than 400 raises 22023');
 SELECT lives_ok($$SELECT idem_configure(retention => '1 minute', partition_interval => '1 second', premake => 30)$$,
                 'idem_configure with 1-second partitions');
 SELECT is(idem_claim('pgtap-after-configure'), true, 'claims work after idem_configure');

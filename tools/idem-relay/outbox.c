@@ -601,6 +601,19 @@ extend_send(relay_db *db, const relay_config *cfg, batch *b, double seconds, int
 /* the shortest lease idem_outbox_extend takes: gives a lease back */
 #define RELEASE_SECONDS 0.000001
 
+/* log and count that an extend covered fewer of b's events than were claimed */
+static void
+lease_lost(const batch *b, const char *msg)
+{
+	char		covered[16],
+				claimed[16];
+
+	snprintf(covered, sizeof(covered), "%d", b->covered);
+	snprintf(claimed, sizeof(claimed), "%d", b->n);
+	log_msg(LOG_WARN, msg, "covered", covered, "claimed", claimed, NULL);
+	metric_add(M_LEASES_LOST, 1);
+}
+
 /*
  * Extend the lease of cur (being published) and of the prefetched batch
  * next, if it holds one.  0; 1: cur's lease is lost (or the extend
@@ -625,30 +638,14 @@ extend_leases(relay_db *db, const relay_config *cfg, batch *cur, batch *next)
 		next->leased = cur->leased;
 		if (next->covered < next->n)
 		{
-			char		a[16],
-						b[16];
-
-			snprintf(a, sizeof(a), "%d", next->covered);
-			snprintf(b, sizeof(b), "%d", next->n);
-			log_msg(LOG_WARN, "lease of the prefetched batch lost: dropping it unpublished",
-					"covered", a, "claimed", b, NULL);
-			metric_add(M_LEASES_LOST, 1);
+			lease_lost(next, "lease of the prefetched batch lost: dropping it unpublished");
 			batch_clear(next);
 		}
 	}
 	if (cur->covered < cur->n)
 	{
 		if (cur->covered >= 0)
-		{
-			char		a[16],
-						b[16];
-
-			snprintf(a, sizeof(a), "%d", cur->covered);
-			snprintf(b, sizeof(b), "%d", cur->n);
-			log_msg(LOG_WARN, "lease lost: stopping this batch (its events go to another relay)",
-					"covered", a, "claimed", b, NULL);
-			metric_add(M_LEASES_LOST, 1);
-		}
+			lease_lost(cur, "lease lost: stopping this batch (its events go to another relay)");
 		return 1;
 	}
 	return 0;
