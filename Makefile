@@ -36,7 +36,7 @@ SQL_INIT = sql/init.sql
 # The sql/tables/ files wholly new in this version: the update to it creates
 # their objects (tables of files that existed in the previous release are
 # changed in sql/updates/).  Emptied when a version is released.
-NEW_TABLES = sql/tables/07_capabilities.sql sql/tables/10_groups.sql sql/tables/10_late.sql sql/tables/40_outbox.sql sql/tables/50_requests.sql sql/tables/55_inbox.sql \
+NEW_TABLES = sql/tables/07_capabilities.sql sql/tables/10_groups.sql sql/tables/10_late.sql sql/tables/10_scope_retention.sql sql/tables/40_outbox.sql sql/tables/50_requests.sql sql/tables/55_inbox.sql \
              sql/tables/65_stats.sql sql/tables/80_shards.sql
 SQL_INSTALL = sql/idempotency--$(EXTVERSION).sql
 SQL_UPDATES = $(sort $(wildcard sql/updates/idempotency--*--$(EXTVERSION).sql))

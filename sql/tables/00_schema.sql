@@ -36,6 +36,10 @@ CREATE TABLE idempotency.partition_registry (
     closed     boolean     NOT NULL DEFAULT false,  -- takes no claims any more (sealed, or next round)
     held_by    xid8[],                              -- sealed while these transactions had claims
                                                     -- in it in progress: sealed is set once they end
+    retention  interval,                            -- its retention class (scope_retention);
+                                                    -- NULL: idem_configure()'s retention
+    keep_retention interval,                        -- kept at least this long after its newest claim:
+                                                    -- it holds claims of scopes kept longer than its class
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '');

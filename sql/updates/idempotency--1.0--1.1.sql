@@ -89,6 +89,11 @@ ALTER TABLE idempotency.partition_registry
     ADD COLUMN held_by xid8[];
 UPDATE idempotency.partition_registry SET closed = true WHERE sealed;
 
+-- partition registry: retention classes (retention per scope)
+ALTER TABLE idempotency.partition_registry
+    ADD COLUMN retention interval,
+    ADD COLUMN keep_retention interval;
+
 -- Partitions sealed by 1.0 recorded neither: count them now, so that they
 -- are kept for the retention after their newest claim, as 1.1 seals do.
 DO $$

@@ -64,6 +64,7 @@
 #include "common/rows.h"
 #include "stats/stats.h"
 #include "claims/partitions.h"
+#include "claims/classes.h"
 #include "claims/filters.h"
 #include "claims/groups.h"
 #include "claims/late.h"
@@ -499,16 +500,22 @@ probe_partition(ClaimCall *call, IdemPartition *part, Snapshot snap, ClaimKey *c
 /*
  * Positions in the set of the partitions not sealed yet, newest first, for
  * the set of this generation: so a probe never walks the sealed ones, which
- * may be hundreds, to find the few that take claims.
+ * may be hundreds, to find the few that take claims.  unsealed_oldest marks
+ * the oldest open one of each retention class, which a backend whose cache
+ * predates the partition covering now would claim into.
  */
 static uint64 unsealed_generation = 0;	/* 0: never a set's */
 static int	unsealed_n = 0;
 static int *unsealed = NULL;
+static bool *unsealed_oldest = NULL;
 static int	unsealed_cap = 0;
 
 static void
 map_unsealed(IdemPartitionSet *set)
 {
+	int64		seen[IDEM_MAX_RETENTION_CLASSES + 1];
+	int			nseen = 0;
+
 	if (unsealed_generation == set->generation)
 		return;
 	if (unsealed_cap < set->nparts)
@@ -517,12 +524,42 @@ map_unsealed(IdemPartitionSet *set)
 		unsealed = unsealed == NULL ?
 			MemoryContextAlloc(TopMemoryContext, unsealed_cap * sizeof(int)) :
 			repalloc(unsealed, unsealed_cap * sizeof(int));
+		unsealed_oldest = unsealed_oldest == NULL ?
+			MemoryContextAlloc(TopMemoryContext, unsealed_cap * sizeof(bool)) :
+			repalloc(unsealed_oldest, unsealed_cap * sizeof(bool));
 	}
 	unsealed_n = 0;
 	for (int i = 0; i < set->nparts; i++)
 		if (!set->parts[i].sealed)
 			unsealed[unsealed_n++] = i;
+	for (int j = unsealed_n - 1; j >= 0; j--)
+	{
+		IdemPartition *p = &set->parts[unsealed[j]];
+		bool		first = !p->closed;
+
+		for (int k = 0; k < nseen && first; k++)
+			first = seen[k] != p->class_retention;
+		/* more classes than seen holds: mark the rest too, to be safe */
+		if (first && nseen < (int) lengthof(seen))
+			seen[nseen++] = p->class_retention;
+		unsealed_oldest[j] = first;
+	}
 	unsealed_generation = set->generation;
+}
+
+/*
+ * The partition a claim of ck made now goes into: one of its scope's
+ * retention class (classes.c).
+ */
+static IdemPartition *
+claim_target(IdemPartitionSet *set, const ClaimKey *ck, TimestampTz now, bool *covers)
+{
+	int64		class_retention = 0;
+
+	if (set->nscopes > 0)
+		class_retention = idem_scope_class(set, VARDATA_ANY(ck->scope),
+										   VARSIZE_ANY_EXHDR(ck->scope));
+	return idem_target_partition(set, class_retention, now, covers);
 }
 
 /* Probe sealed partition p unless it is expired or its filter rules the key out. */
@@ -539,9 +576,9 @@ probe_sealed(ClaimCall *call, IdemPartitionSet *set, IdemPartition *p, IdemParti
 /*
  * Probe partitions until the key is found: the target (where a claim made
  * now would go) first, then the others not sealed yet, newest first:
- * those that have begun (give or take clock skew), the oldest open one,
- * which a backend whose cache predates the partition covering now would
- * claim into, and the closed ones (a claimer that chose one before it was
+ * those that have begun (give or take clock skew), the oldest open one of
+ * each retention class, which a backend whose cache predates the partition
+ * covering now would claim into, and the closed ones (a claimer that chose one before it was
  * closed may still be inserting there); then the sealed ones that their
  * groups do not rule out (groups.c), unless expired or ruled out by their
  * own filter.
@@ -550,7 +587,6 @@ static void
 probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, TimestampTz now,
 		  Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
-	IdemPartition *oldest_open = NULL;
 	const int  *cand = NULL;
 	int			ncand = -1;		/* -1: no groups, test every sealed one */
 
@@ -575,15 +611,12 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 	}
 	if (which != PROBE_SEALED)
 	{
-		for (int j = unsealed_n - 1; j >= 0 && oldest_open == NULL; j--)
-			if (!set->parts[unsealed[j]].closed)
-				oldest_open = &set->parts[unsealed[j]];
 		for (int j = 0; j < unsealed_n; j++)
 		{
 			IdemPartition *p = &set->parts[unsealed[j]];
 
 			if (p == target ||
-				(p->lower > now + IDEM_CLOCK_SKEW_USECS && p != oldest_open && !p->closed))
+				(p->lower > now + IDEM_CLOCK_SKEW_USECS && !unsealed_oldest[j] && !p->closed))
 				continue;
 			if (probe_partition(call, p, snap, ck, res))
 				return;
@@ -727,7 +760,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 			generation = 0;		/* never a set's: probe all under the lock */
 		else
 		{
-			target = idem_target_partition(set, now, &covers);
+			target = claim_target(set, ck, now, &covers);
 			probe_set(call, set, target, now, dirty, ck, PROBE_ALL, &res);
 			if (res.status == PROBE_BUSY)
 			{
@@ -750,7 +783,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		LockAcquire(&tag, ExclusiveLock, false, false);
 		set = idem_partition_set();
 		now = idem_now();
-		target = idem_target_partition(set, now, &covers);
+		target = claim_target(set, ck, now, &covers);
 		if (target == NULL)
 		{
 			LockRelease(&tag, ExclusiveLock, false);
@@ -1009,7 +1042,7 @@ idem_claimed(PG_FUNCTION_ARGS)
 							text_to_cstring(ck.scope));
 	set = idem_partition_set();
 	claim_call_init(&call, false);
-	probe_set(&call, set, idem_target_partition(set, now, &covers), now,
+	probe_set(&call, set, claim_target(set, &ck, now, &covers), now,
 			  GetActiveSnapshot(), &ck, PROBE_ALL, &res);
 	claim_call_close(&call);
 	if (res.status != PROBE_FOUND)
@@ -1070,7 +1103,7 @@ idem_release(PG_FUNCTION_ARGS)
 		bool		covers;
 
 		set = idem_partition_set();
-		probe_set(&call, set, idem_target_partition(set, now, &covers), now,
+		probe_set(&call, set, claim_target(set, &ck, now, &covers), now,
 				  &call.dirty, &ck, PROBE_ALL, &res);
 		if (res.status == PROBE_BUSY)
 		{

@@ -44,6 +44,8 @@
 #include "common/clock.h"
 #include "common/cache.h"
 #include "claims/settings.h"
+#include "claims/classes.h"
+#include "common/args.h"
 
 #include <limits.h>
 
@@ -77,6 +79,7 @@ static MemoryContext partition_cxt = NULL;
 static IdemPartitionSet *partition_cache = NULL;
 static Oid	cached_registry_relid = InvalidOid;
 static Oid	cached_settings_relid = InvalidOid;
+static Oid	cached_scopes_relid = InvalidOid;
 static uint64 partition_generation = 0;
 
 /* invalidations of the registry seen; a build that sees this move restarts */
@@ -86,7 +89,7 @@ static void
 partition_cache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == cached_registry_relid ||
-		relid == cached_settings_relid)
+		relid == cached_settings_relid || relid == cached_scopes_relid)
 	{
 		partition_cache = NULL;
 		registry_invals++;
@@ -152,6 +155,16 @@ read_registry_row(Relation rel, HeapTuple tup, IdemPartition *p)
 		if (!isnull && DatumGetTimestampTz(d) > p->keep_until)
 			p->keep_until = DatumGetTimestampTz(d);
 	}
+	/* its retention class, and how long its claims of other classes need */
+	if (desc->natts >= Anum_registry_keep_retention)
+	{
+		d = heap_getattr(tup, Anum_registry_retention, desc, &isnull);
+		if (!isnull)
+			p->class_retention = idem_interval_seconds(DatumGetIntervalP(d)) * USECS_PER_SEC;
+		d = heap_getattr(tup, Anum_registry_keep_retention, desc, &isnull);
+		if (!isnull)
+			p->keep_retention = idem_interval_seconds(DatumGetIntervalP(d)) * USECS_PER_SEC;
+	}
 }
 
 /* Read the registry into a new cache. */
@@ -161,13 +174,16 @@ build_partition_set(void)
 	Oid			regid = idem_internal_relid("partition_registry");
 	Oid			setid = idem_internal_relid("settings");
 	Oid			claimsid = idem_internal_relid("claims");
+	Oid			scopesid = get_relname_relid("scope_retention", idem_schema_oid());
 
 	cached_registry_relid = regid;
 	cached_settings_relid = setid;
+	cached_scopes_relid = scopesid;
 	for (;;)
 	{
 		Relation	rel;
 		Relation	setrel;
+		Relation	scopesrel = NULL;
 		Snapshot	snap;
 		TableScanDesc scan;
 		HeapTuple	tup;
@@ -181,6 +197,8 @@ build_partition_set(void)
 		idem_debug_wait("partition_set_open");
 		rel = idem_open_internal(regid);
 		setrel = idem_open_internal(setid);
+		if (OidIsValid(scopesid))	/* none before the update to 1.1 */
+			scopesrel = idem_open_internal(scopesid);
 		invals = registry_invals;
 		snap = RegisterSnapshot(GetLatestSnapshot());
 		idem_debug_wait("partition_set_build");
@@ -215,9 +233,13 @@ build_partition_set(void)
 			read_registry_row(rel, tup, &set->parts[set->nparts++]);
 		}
 		table_endscan(scan);
+		if (scopesrel != NULL)
+			idem_scope_retentions_read(scopesrel, snap, set);
 		MemoryContextSwitchTo(oldcxt);
 
 		UnregisterSnapshot(snap);
+		if (scopesrel != NULL)
+			table_close(scopesrel, AccessShareLock);
 		table_close(setrel, AccessShareLock);
 		table_close(rel, AccessShareLock);
 
@@ -251,15 +273,31 @@ idem_partition_set_fresh(void)
 }
 
 /*
- * The partition a claim made at "now" goes into: the open one whose range
- * covers it (the newest such, should ranges overlap), else -- while
- * maintenance lags -- the newest open one that has begun, else the oldest
- * open one.  Maintenance extends the same partition after a lag, so
- * claimers and maintenance always agree on it.  Closed partitions (sealed,
- * or to be sealed next round) take no claims.
+ * The partition a claim of a retention class (classes.c; 0: the default)
+ * made at "now" goes into: the class's open one whose range covers it (the
+ * newest such, should ranges overlap), else -- while maintenance lags --
+ * its newest open one that has begun, else its oldest open one.
+ * Maintenance extends the same partition after a lag, so claimers and
+ * maintenance always agree on it.  Closed partitions (sealed, or to be
+ * sealed next round) take no claims.  A class without a partition yet (it
+ * was configured, and no round has run since) claims into the default
+ * class: the seal keeps such a partition for its claims' retention.
  */
 IdemPartition *
-idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
+idem_target_partition(IdemPartitionSet *set, int64 class_retention, TimestampTz now,
+					  bool *covers)
+{
+	IdemPartition *p = idem_class_partition(set, class_retention, now, covers);
+
+	if (p == NULL && class_retention != 0)
+		p = idem_class_partition(set, 0, now, covers);
+	return p;
+}
+
+/* The same within the class alone: NULL if it has no open partition. */
+IdemPartition *
+idem_class_partition(IdemPartitionSet *set, int64 class_retention, TimestampTz now,
+					 bool *covers)
 {
 	IdemPartition *begun = NULL;
 	IdemPartition *oldest = NULL;
@@ -269,7 +307,7 @@ idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
 	{
 		IdemPartition *p = &set->parts[i];
 
-		if (p->closed)
+		if (p->closed || p->class_retention != class_retention)
 			continue;
 		if (p->lower <= now && now < p->upper)
 		{
@@ -284,7 +322,7 @@ idem_target_partition(IdemPartitionSet *set, TimestampTz now, bool *covers)
 }
 
 /*
- * True if every claim in a partition is older than the retention window, so
+ * True if every claim in a partition is older than its retention (classes.c), so
  * nobody needs to look there (maintenance may drop it once it is no longer
  * held).  Only sealed partitions expire, held ones included: an unsealed
  * one may still receive claims, and its newest claim is not known.
@@ -294,7 +332,7 @@ idem_partition_expired(IdemPartitionSet *set, IdemPartition *p, TimestampTz now)
 {
 	if (!p->sealed)
 		return false;
-	return p->empty || p->keep_until <= now - set->retention;
+	return p->empty || p->keep_until <= now - idem_partition_retention(set, p);
 }
 
 /*---- the invalidation trigger ----*/

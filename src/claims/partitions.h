@@ -33,6 +33,10 @@ typedef struct IdemPartition
 	bool		empty;			/* sealed without a single claim */
 	TimestampTz keep_until;		/* sealed: no claim in it is younger than
 								 * keep_until - retention */
+	int64		class_retention;	/* its retention class, microseconds; 0:
+									 * the default (set->retention) */
+	int64		keep_retention; /* kept at least this long (microseconds):
+								 * it holds claims of scopes kept longer */
 	bool		has_filter;		/* the registry holds a Bloom filter */
 	TransactionId filter_xmin;	/* names that filter (its registry row) */
 	Oid			filter_source;	/* InvalidOid: the filter is in the registry;
@@ -57,12 +61,18 @@ typedef struct IdemPartitionSet
 	uint64		generation;		/* changes whenever the set is rebuilt */
 	int			nparts;
 	IdemPartition *parts;		/* sorted by lower, newest first */
+	int			nscopes;		/* idempotency.scope_retention (classes.c) */
+	struct IdemScopeRetention *scopes;
+	int			nclasses;		/* its distinct retentions, ascending */
+	int64	   *classes;		/* microseconds */
 } IdemPartitionSet;
 
 extern IdemPartitionSet *idem_partition_set(void);
 extern IdemPartitionSet *idem_partition_set_fresh(void);
-extern IdemPartition *idem_target_partition(IdemPartitionSet *set, TimestampTz now,
-											bool *covers);
+extern IdemPartition *idem_target_partition(IdemPartitionSet *set, int64 class_retention,
+											TimestampTz now, bool *covers);
+extern IdemPartition *idem_class_partition(IdemPartitionSet *set, int64 class_retention,
+										   TimestampTz now, bool *covers);
 extern bool idem_partition_expired(IdemPartitionSet *set, IdemPartition *p,
 								   TimestampTz now);
 extern void idem_partitions_init(void);

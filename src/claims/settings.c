@@ -101,11 +101,17 @@ idem_current_settings(PG_FUNCTION_ARGS)
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(desc, values, nulls)));
 }
 
-/* Error out unless a configuration is one the claim path can serve. */
+/*
+ * Error out unless a configuration is one the claim path can serve: the
+ * default retention class and the nclasses others (retentions in seconds,
+ * from idempotency.scope_retention) share the partition interval and the
+ * bound on live partitions.
+ */
 void
-idem_validate_settings(const IdemSettings *s)
+idem_validate_settings(const IdemSettings *s, const int64 *classes, int nclasses)
 {
 	int64		live;
+	int64		windows;
 
 	if (s->interval < 1)
 		ereport(ERROR,
@@ -125,30 +131,47 @@ idem_validate_settings(const IdemSettings *s)
 				 errmsg("retention must not be shorter than partition_interval"),
 				 errdetail("retention is %lld seconds, partition_interval %lld seconds.",
 						   (long long) s->retention, (long long) s->interval)));
+	for (int i = 0; i < nclasses; i++)
+		if (classes[i] < s->interval)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("a scope's retention must not be shorter than partition_interval"),
+					 errdetail("A scope's retention is %lld seconds, partition_interval %lld seconds.",
+							   (long long) classes[i], (long long) s->interval)));
 	if (s->premake < 1 || s->premake > IDEM_MAX_PREMAKE)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("premake must be between 1 and %d", IDEM_MAX_PREMAKE)));
 
-	/* live partitions: the retention window, the current one, premade ones */
+	/* live partitions, per class: its retention window, the current one, premade ones */
+	windows = s->retention;
 	live = (s->retention + s->interval - 1) / s->interval + 1 + s->premake;
+	for (int i = 0; i < nclasses; i++)
+	{
+		windows += classes[i];
+		live += (classes[i] + s->interval - 1) / s->interval + 1 + s->premake;
+	}
 	if (live > IDEM_MAX_LIVE_PARTITIONS)
 	{
-		int			room = IDEM_MAX_LIVE_PARTITIONS - 1 - s->premake;
+		int			room = IDEM_MAX_LIVE_PARTITIONS - (nclasses + 1) * (1 + s->premake);
 
-		if (room < 1)
+		if (room < nclasses + 1)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("too many live partitions: premake %d leaves no room for the retention window",
 							s->premake),
-					 errdetail("At most %d partitions may be live at once.", IDEM_MAX_LIVE_PARTITIONS)));
+					 errdetail("At most %d partitions may be live at once, over %d retention classes.",
+							   IDEM_MAX_LIVE_PARTITIONS, nclasses + 1)));
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("too many live partitions: %lld, at most %d",
 						(long long) live, IDEM_MAX_LIVE_PARTITIONS),
+				 nclasses == 0 ?
 				 errdetail("Every claim consults each live partition; retention %lld s over partition_interval %lld s, plus premake %d, is too many.",
-						   (long long) s->retention, (long long) s->interval, s->premake),
+						   (long long) s->retention, (long long) s->interval, s->premake) :
+				 errdetail("Every claim consults each live partition; the retentions of %d classes, %lld s in all, over partition_interval %lld s, plus premake %d each, are too many.",
+						   nclasses + 1, (long long) windows, (long long) s->interval, s->premake),
 				 errhint("Use a partition_interval of at least %lld seconds.",
-						 (long long) ((s->retention + room - 1) / room))));
+						 (long long) ((windows + room - nclasses - 1) / (room - nclasses)))));
 	}
 }

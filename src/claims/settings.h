@@ -44,6 +44,6 @@ typedef struct IdemSettings
 
 extern IdemSettings idem_read_settings(Snapshot snap);
 extern IdemSettings idem_settings_from_scan(Relation rel, Snapshot snap);
-extern void idem_validate_settings(const IdemSettings *s);
+extern void idem_validate_settings(const IdemSettings *s, const int64 *classes, int nclasses);
 
 #endif							/* IDEM_CLAIMS_SETTINGS_H */

@@ -40,6 +40,8 @@ enum Anum_registry
 	Anum_registry_max_claimed_at,
 	Anum_registry_closed,
 	Anum_registry_held_by,
+	Anum_registry_retention,
+	Anum_registry_keep_retention,
 	_Anum_registry_max
 };
 #define Natts_registry (_Anum_registry_max - 1)

@@ -61,6 +61,7 @@
 #include "access/table.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
+#include "claims/classes.h"
 #include "claims/filters.h"
 #include "claims/groups.h"
 #include "claims/late.h"
@@ -69,6 +70,8 @@
 #include "claims/settings.h"
 #include "commands/extension.h"
 #include "common/args.h"
+#include "common/clock.h"
+#include "common/ownership.h"
 #include "common/spi.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
@@ -92,12 +95,17 @@
  */
 #define IDEM_SEAL_WAIT_MS	1000
 
-/* Create one partition of idempotency.claims for [lower, upper) and register it. */
+/*
+ * Create one partition of idempotency.claims for [lower, upper) in a
+ * retention class (microseconds; 0: the default) and register it.
+ */
 static void
-create_partition(const char *qualified, TimestampTz lower, TimestampTz upper)
+create_partition(const char *qualified, TimestampTz lower, TimestampTz upper,
+				 int64 class_retention)
 {
-	Oid			types[3] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID};
-	Datum		values[3];
+	Oid			types[4] = {TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID, INT8OID};
+	Datum		values[4];
+	char		nulls[4] = {' ', ' ', ' ', ' '};
 
 	idem_exec_ddl_as_data(psprintf("CREATE TABLE %s () INHERITS (%s.claims)",
 								   qualified, IDEM_SCHEMA));
@@ -106,9 +114,13 @@ create_partition(const char *qualified, TimestampTz lower, TimestampTz upper)
 	values[0] = CStringGetTextDatum(qualified);
 	values[1] = TimestampTzGetDatum(lower);
 	values[2] = TimestampTzGetDatum(upper);
-	idem_spi_exec("INSERT INTO idempotency.partition_registry (relid, lower, upper)"
-				  " VALUES ($1::pg_catalog.regclass, $2, $3)",
-				  3, types, values, SPI_OK_INSERT);
+	values[3] = Int64GetDatum(class_retention / USECS_PER_SEC);
+	nulls[3] = class_retention == 0 ? 'n' : ' ';
+	if (SPI_execute_with_args("INSERT INTO idempotency.partition_registry (relid, lower, upper, retention)"
+							  " VALUES ($1::pg_catalog.regclass, $2, $3,"
+							  " pg_catalog.make_interval(secs => $4::pg_catalog.float8))",
+							  4, types, values, nulls, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not register partition %s", qualified);
 }
 
 
@@ -121,6 +133,8 @@ typedef struct Round
 	IdemSettings s;
 	TimestampTz now;
 	IdemPartitionSet *set;		/* the registry as of the round's start */
+	int64		class_retention;	/* the retention class being made (0: the
+									 * default) */
 } Round;
 
 /* An action on one partition; false: not done now (reported by itself). */
@@ -180,6 +194,22 @@ set_upper(Oid relid, TimestampTz upper)
 			 2, types, values, SPI_OK_UPDATE);
 }
 
+/* A copy of a partition set that outlives the next cache rebuild. */
+static IdemPartitionSet *
+copy_partition_set(IdemPartitionSet *set)
+{
+	IdemPartitionSet *copy = palloc(sizeof(IdemPartitionSet));
+
+	*copy = *set;
+	copy->parts = palloc(sizeof(IdemPartition) * Max(set->nparts, 1));
+	memcpy(copy->parts, set->parts, sizeof(IdemPartition) * set->nparts);
+	copy->classes = palloc(sizeof(int64) * Max(set->nclasses, 1));
+	memcpy(copy->classes, set->classes, sizeof(int64) * set->nclasses);
+	copy->nscopes = 0;			/* its patterns are not copied */
+	copy->scopes = NULL;
+	return copy;
+}
+
 /*---- sealing ----*/
 
 /*
@@ -187,10 +217,11 @@ set_upper(Oid relid, TimestampTz upper)
  * idempotency.scope_history (idempotency.consumers), in the sealing
  * transaction: once sealed, a partition's claims are counted there and no
  * longer live.  Counted by a heap scan (scopes.c), not a query over the
- * partition.
+ * partition.  Returns the longest retention of its scopes' classes
+ * (microseconds; 0 if all are the default's), which the partition is kept for.
  */
-static void
-fold_scopes(Relation rel, Snapshot snap)
+static int64
+fold_scopes(IdemPartitionSet *set, Relation rel, Snapshot snap)
 {
 	HTAB	   *counts = idem_scope_counts_create();
 	HASH_SEQ_STATUS seq;
@@ -203,11 +234,12 @@ fold_scopes(Relation rel, Snapshot snap)
 	int			i = 0;
 	Oid			types[4] = {TEXTARRAYOID, TIMESTAMPTZARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID};
 	Datum		values[4];
+	int64		longest = 0;
 
 	idem_scope_counts_add(counts, rel, snap);
 	n = hash_get_num_entries(counts);
 	if (n == 0)
-		return;
+		return 0;
 	scopes = palloc(sizeof(Datum) * n);
 	firsts = palloc(sizeof(Datum) * n);
 	lasts = palloc(sizeof(Datum) * n);
@@ -219,6 +251,7 @@ fold_scopes(Relation rel, Snapshot snap)
 		firsts[i] = TimestampTzGetDatum(c->first_claim_at);
 		lasts[i] = TimestampTzGetDatum(c->last_claim_at);
 		claims[i] = Int64GetDatum(c->claims);
+		longest = Max(longest, idem_scope_class(set, c->scope, strlen(c->scope)));
 		i++;
 	}
 	values[0] = idem_build_array(scopes, NULL, n, TEXTOID);
@@ -233,6 +266,28 @@ fold_scopes(Relation rel, Snapshot snap)
 				  " last_claim_at = greatest(h.last_claim_at, excluded.last_claim_at),"
 				  " claims = h.claims + excluded.claims",
 				  4, types, values, SPI_OK_INSERT);
+	return longest;
+}
+
+/*
+ * Keep a partition at least "retention" (microseconds) after its newest
+ * claim: it holds claims of a scope whose class is kept longer than its own
+ * (they went in before the scope's class changed, or were claimed by a
+ * backend that had not seen the change yet).  Never shortens.
+ */
+static void
+keep_longer(IdemPartition *p, int64 retention)
+{
+	Oid			types[2] = {OIDOID, INT8OID};
+	Datum		values[2] = {ObjectIdGetDatum(p->relid), Int64GetDatum(retention / USECS_PER_SEC)};
+
+	if (retention <= (p->class_retention > 0 ? p->class_retention : 0) ||
+		retention <= p->keep_retention)
+		return;
+	idem_spi_exec("UPDATE idempotency.partition_registry"
+				  " SET keep_retention = pg_catalog.make_interval(secs => $2::pg_catalog.float8)"
+				  " WHERE relid = $1", 2, types, values, SPI_OK_UPDATE);
+	p->keep_retention = retention;
 }
 
 /* The transactions a seal found claims of, as the registry stores them. */
@@ -290,6 +345,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	char		nulls[5] = {' ', ' ', ' ', ' ', ' '};
 	bool		v10;
 	bool		held;
+	int64		longest = 0;
 
 	/* a database still at version 1.0 has no room for what the seal found */
 	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
@@ -300,7 +356,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	bloom = idem_filter_build(rel, snap, &info);
 	held = info.nholders > 0;
 	if (!v10 && !held)
-		fold_scopes(rel, snap); /* 1.0 has no scope history either */
+		longest = fold_scopes(r->set, rel, snap);	/* 1.0 has no scope history either */
 	table_close(rel, NoLock);
 	UnregisterSnapshot(snap);
 
@@ -324,6 +380,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 5, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
+	keep_longer(p, longest);
 	/* its keys join a group in the same transaction (groups.c) */
 	if (!v10 && bloom != NULL)
 		idem_groups_add(p->relid, info.hashes, info.nkeys);
@@ -422,10 +479,11 @@ finish_held(Round *r, IdemPartition *p, const char *name)
 	{
 		Snapshot	snap = RegisterSnapshot(GetTransactionSnapshot());
 		Relation	rel = table_open(p->relid, NoLock);
+		int64		longest = fold_scopes(r->set, rel, snap);
 
-		fold_scopes(rel, snap);
 		table_close(rel, NoLock);
 		UnregisterSnapshot(snap);
+		keep_longer(p, longest);
 	}
 	idem_report_action(r->rep, "seal", name);
 	return true;
@@ -553,18 +611,45 @@ wait_for_claims_in_flight(int *pid)
 }
 
 /*
+ * Is a retention class (0: the default) one that maintenance keeps
+ * partitions for: the default, or a retention of idempotency.scope_retention?
+ * A class no scope has any more gets no new partitions, and its last ones
+ * are sealed once their range has passed, like any other.
+ */
+static bool
+class_configured(Round *r, int64 class_retention)
+{
+	if (class_retention == 0)
+		return true;
+	for (int i = 0; i < r->set->nclasses; i++)
+		if (r->set->classes[i] == class_retention)
+			return true;
+	return false;
+}
+
+/* The partition a class's claims go into now (NULL: none, or not configured). */
+static IdemPartition *
+class_target(Round *r, int64 class_retention)
+{
+	bool		covers;
+
+	if (!class_configured(r, class_retention))
+		return NULL;
+	return idem_class_partition(r->set, class_retention, r->now, &covers);
+}
+
+/*
  * Seal what can be sealed.  First what earlier rounds held (once their
  * holders have ended) or closed (once the claims in flight when the close
  * was seen are done), before this round takes any ShareLock a claimer in
  * flight could be waiting for; then seal or close the partitions whose
  * range has passed (by a second, for claimers whose clock reads a little
- * behind), except the one claims go into while maintenance lags.
+ * behind), except the one claims go into while maintenance lags, and every
+ * partition of a retention class no scope has any more.
  */
 static void
 seal_passed(Round *r)
 {
-	bool		covers;
-	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
 	int			waited = 0;		/* 1: claims in flight are done, -1: not */
 	int			pid = 0;
 
@@ -589,8 +674,81 @@ seal_passed(Round *r)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (!p->closed && p != target && p->upper <= r->now - USECS_PER_SEC)
+		/* a class no scope has any more takes no claims: seal all of it */
+		if (!p->closed &&
+			(!class_configured(r, p->class_retention) ||
+			 (p != class_target(r, p->class_retention) && p->upper <= r->now - USECS_PER_SEC)))
 			run_action(r, seal_or_close, p, "seal");
+	}
+}
+
+static bool
+spi_exists(const char *sql, Oid *types, Datum *values)
+{
+	if (SPI_execute_with_args(sql, 1, types, values, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not run: %s", sql);
+	return SPI_processed > 0;
+}
+
+/*
+ * Does a sealed partition hold a claim of a scope the pattern covers?  Read
+ * through its (scope, key) index as the extension's owner: the caller made
+ * sure the partition is ours.
+ */
+static bool
+holds_scope(const char *name, const char *pattern)
+{
+	int			len = strlen(pattern);
+	Oid			types[1] = {TEXTOID};
+	Datum		values[1];
+	StringInfoData like;
+
+	if (pattern[len - 1] != '*')
+	{
+		values[0] = CStringGetTextDatum(pattern);
+		return spi_exists(psprintf("SELECT 1 FROM ONLY %s WHERE scope = $1 LIMIT 1", name),
+						  types, values);
+	}
+	initStringInfo(&like);
+	for (int i = 0; i < len - 1; i++)
+	{
+		if (pattern[i] == '%' || pattern[i] == '_' || pattern[i] == '\\')
+			appendStringInfoChar(&like, '\\');
+		appendStringInfoChar(&like, pattern[i]);
+	}
+	appendStringInfoChar(&like, '%');
+	values[0] = CStringGetTextDatum(like.data);
+	return spi_exists(psprintf("SELECT 1 FROM ONLY %s WHERE scope LIKE $1 LIMIT 1", name),
+					  types, values);
+}
+
+/*
+ * idem_configure_scope() raised a scope's retention (microseconds): keep
+ * every sealed partition that holds its claims at least that long, unless
+ * it has expired already.  Partitions not sealed yet get it when they are
+ * (fold_scopes()), and held ones when they are sealed for good
+ * (finish_held()), both under the maintenance lock, which the caller
+ * holds, acting as the extension's owner, connected to SPI.  A partition
+ * that is not ours is kept longer without being read.
+ */
+void
+idem_claim_partitions_keep(const char *pattern, int64 retention)
+{
+	IdemPartitionSet *set = copy_partition_set(idem_partition_set_fresh());
+	TimestampTz now = idem_now();
+
+	for (int i = 0; i < set->nparts; i++)
+	{
+		IdemPartition *p = &set->parts[i];
+		char	   *name;
+
+		if (!p->sealed || p->held || idem_partition_expired(set, p, now) ||
+			idem_partition_retention(set, p) >= retention ||
+			(name = partition_name(p->relid)) == NULL)
+			continue;
+		if (idem_relation_distrust(p->relid, set->claims_relid) != NULL ||
+			holds_scope(name, pattern))
+			keep_longer(p, retention);
 	}
 }
 
@@ -611,9 +769,9 @@ drop_one(Round *r, IdemPartition *p, const char *name)
 	{
 		/* its keys outlive it in a summary, for late duplicates (late.c) */
 		Relation	rel = table_open(p->relid, NoLock);
+		int64		retention = idem_partition_retention(r->set, p);
 
-		idem_late_fold(rel, p->lower + r->s.retention * USECS_PER_SEC,
-					   Min(p->keep_until + r->s.retention * USECS_PER_SEC, r->now), r->now);
+		idem_late_fold(rel, p->lower + retention, Min(p->keep_until + retention, r->now), r->now);
 		table_close(rel, NoLock);
 	}
 	idem_spi_exec("DELETE FROM idempotency.partition_registry WHERE relid = $1",
@@ -668,15 +826,21 @@ create_one(void *arg)
 {
 	IdemCreateCall *c = arg;
 
-	create_partition(c->name, c->lower, c->upper);
+	create_partition(c->name, c->lower, c->upper, ((Round *) c->step)->class_retention);
 	return true;
 }
 
-/* Create and register a partition for [lower, upper), as one action. */
+/*
+ * Create and register a partition for [lower, upper) in the round's class,
+ * as one action.  A class other than the default has its retention in
+ * seconds in the partitions' names.
+ */
 static bool
 create_guarded(Round *r, TimestampTz lower, TimestampTz upper)
 {
-	IdemCreateCall call = {r, lower, upper, idem_partition_name("claims", lower)};
+	const char *prefix = r->class_retention == 0 ? "claims" :
+		psprintf("claims_r%lld", (long long) (r->class_retention / USECS_PER_SEC));
+	IdemCreateCall call = {r, lower, upper, idem_partition_name(prefix, lower)};
 
 	if (!idem_run_guarded(r->rep, "create", call.name, create_one, &call))
 		return false;
@@ -694,7 +858,8 @@ first_future_lower(Round *r, TimestampTz *lower)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (!p->closed && p->lower > r->now && (!found || p->lower < *lower))
+		if (!p->closed && p->class_retention == r->class_retention &&
+			p->lower > r->now && (!found || p->lower < *lower))
 		{
 			*lower = p->lower;
 			found = true;
@@ -715,7 +880,7 @@ static void
 ensure_partitions(Round *r)
 {
 	bool		covers;
-	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+	IdemPartition *target = idem_class_partition(r->set, r->class_retention, r->now, &covers);
 	TimestampTz next = idem_next_boundary(r->now, r->s.interval);
 	TimestampTz horizon = add_seconds(r->now, r->s.interval * r->s.premake);
 	TimestampTz upper = next;
@@ -743,12 +908,12 @@ ensure_partitions(Round *r)
 		cursor = upper;
 	}
 
-	/* new partitions follow the last one that can take claims */
+	/* new partitions follow the class's last one that can take claims */
 	for (int i = 0; i < r->set->nparts; i++)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (!p->closed && p->upper > cursor)
+		if (!p->closed && p->class_retention == r->class_retention && p->upper > cursor)
 			cursor = p->upper;
 	}
 	while (cursor < horizon)
@@ -773,7 +938,7 @@ static void
 reshape_partitions(Round *r)
 {
 	bool		covers;
-	IdemPartition *target = idem_target_partition(r->set, r->now, &covers);
+	IdemPartition *target = idem_class_partition(r->set, r->class_retention, r->now, &covers);
 	TimestampTz next = idem_next_boundary(r->now, r->s.interval);
 	bool		all_sealed = true;
 
@@ -781,7 +946,8 @@ reshape_partitions(Round *r)
 	{
 		IdemPartition *p = &r->set->parts[i];
 
-		if (p->closed || p == target || p->lower <= r->now)
+		if (p->closed || p == target || p->lower <= r->now ||
+			p->class_retention != r->class_retention)
 			continue;
 		if (run_action(r, seal_or_close, p, "seal"))
 			p->closed = true;
@@ -796,19 +962,6 @@ reshape_partitions(Round *r)
 		if (run_action(r, cut_one, &cut, "cut"))
 			target->upper = next;
 	}
-}
-
-/* One maintenance round; returns false if another session holds the lock. */
-/* A copy of a partition set that outlives the next cache rebuild. */
-static IdemPartitionSet *
-copy_partition_set(IdemPartitionSet *set)
-{
-	IdemPartitionSet *copy = palloc(sizeof(IdemPartitionSet));
-
-	*copy = *set;
-	copy->parts = palloc(sizeof(IdemPartition) * Max(set->nparts, 1));
-	memcpy(copy->parts, set->parts, sizeof(IdemPartition) * set->nparts);
-	return copy;
 }
 
 /*
@@ -829,6 +982,7 @@ idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, Times
 	r.rep = rep;
 	r.s = *s;
 	r.now = now;
+	r.class_retention = 0;
 	idem_forget_missing(rep, "partition_registry");
 	r.set = idem_partition_set_fresh();
 
@@ -839,13 +993,18 @@ idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s, Times
 	if (creating_extension && r.set->nparts > 0)
 		return;
 	before = copy_partition_set(r.set);
-	if (reshape)
+	for (int c = -1; c < before->nclasses; c++)
 	{
-		reshape_partitions(&r);
+		/* the default class, then each of idempotency.scope_retention */
+		r.class_retention = c < 0 ? 0 : before->classes[c];
+		if (reshape)
+		{
+			reshape_partitions(&r);
+			r.set = idem_partition_set_fresh();
+		}
+		ensure_partitions(&r);
 		r.set = idem_partition_set_fresh();
 	}
-	ensure_partitions(&r);
-	r.set = idem_partition_set_fresh();
 	seal_passed(&r);
 	r.set = idem_partition_set_fresh();
 	rebuild_filters(&r);

@@ -34,10 +34,13 @@
 #include "maintenance/maintenance.h"
 
 #include "catalog/pg_type.h"
+#include "claims/classes.h"
+#include "claims/partitions.h"
 #include "claims/settings.h"
 #include "common/clock.h"
 #include "common/ownership.h"
 #include "common/capabilities.h"
+#include "common/spi.h"
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
@@ -45,12 +48,15 @@
 #include "stats/stats.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
+#include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 PG_FUNCTION_INFO_V1(idem_configure);
+PG_FUNCTION_INFO_V1(idem_configure_scope);
 PG_FUNCTION_INFO_V1(idem_maintain);
 
 /* Who started the round now running (InvalidOid: none runs). */
@@ -142,6 +148,17 @@ idem_maintain_round(int elevel)
 }
 
 
+/* Validate settings with the retention classes of a partition set. */
+static void
+validate_with_classes(const IdemSettings *s, IdemPartitionSet *set)
+{
+	int64	   *classes = palloc(sizeof(int64) * Max(set->nclasses, 1));
+
+	for (int i = 0; i < set->nclasses; i++)
+		classes[i] = set->classes[i] / USECS_PER_SEC;
+	idem_validate_settings(s, classes, set->nclasses);
+}
+
 /*
  * idem_configure(retention, partition_interval, premake): validate, store,
  * and create the partitions the new settings call for.  NULL keeps a value.
@@ -177,7 +194,7 @@ idem_configure(PG_FUNCTION_ARGS)
 		s.premake = PG_GETARG_INT32(2);
 	s.retention = idem_interval_seconds(&s.retention_iv);
 	s.interval = idem_interval_seconds(&s.interval_iv);
-	idem_validate_settings(&s);
+	validate_with_classes(&s, idem_partition_set_fresh());
 
 	/* store intervals as given; NULL kept the stored (or default) value */
 	values[0] = IntervalPGetDatum(&s.retention_iv);
@@ -197,6 +214,93 @@ idem_configure(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
+
+/*
+ * idem_configure_scope(scope, retention): keep the claims of a scope, or of
+ * every scope starting with a prefix ('prefix*'), for a retention of their
+ * own; NULL retention removes it.  Validated with the other classes under
+ * the maintenance lock, like idem_configure().  Raising a scope's retention
+ * keeps the sealed partitions that hold its claims longer
+ * (idem_claim_partitions_keep()); the round that follows makes the class's
+ * partitions, so that its new claims go there at once.
+ */
+Datum
+idem_configure_scope(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	char	   *pattern;
+	IdemSettings s;
+	IdemPartitionSet *set;
+	IdemAsOwner as;
+	MaintainReport rep = {NULL, NULL, DEBUG1, 0};
+	Oid			types[2] = {TEXTOID, INTERVALOID};
+	Datum		values[2];
+	int64		retention = 0;
+
+	idem_capability_require_unlimited("idem_configure_scope", IDEM_CAP_OPERATOR);
+	if (PG_ARGISNULL(0))
+		idem_null_argument("scope");
+	scope = PG_GETARG_TEXT_PP(0);
+	if (VARSIZE_ANY_EXHDR(scope) > IDEM_MAX_SCOPE_BYTES + 1)	/* a prefix may end in '*' */
+		ereport(ERROR,
+				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+				 errmsg("scope must be at most %d bytes", IDEM_MAX_SCOPE_BYTES)));
+	pattern = text_to_cstring(scope);
+	idem_scope_pattern_check(pattern);
+	if (!PG_ARGISNULL(1))
+	{
+		Interval   *iv = PG_GETARG_INTERVAL_P(1);
+
+		retention = idem_interval_seconds(iv);
+		if (retention <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("retention must be positive")));
+		if (retention > IDEM_MAX_RETENTION_SECS)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("retention must not exceed %d years", IDEM_MAX_RETENTION_YEARS)));
+		values[1] = IntervalPGetDatum(iv);
+	}
+	PreventCommandIfReadOnly("idem_configure_scope()");
+
+	lock_maintenance(true);
+	idem_become_owner(&as);
+	SPI_connect();
+	values[0] = PointerGetDatum(scope);
+	if (retention == 0)
+		idem_spi_exec("DELETE FROM idempotency.scope_retention WHERE scope = $1",
+					  1, types, values, SPI_OK_DELETE);
+	else
+		idem_spi_exec("INSERT INTO idempotency.scope_retention (scope, retention) VALUES ($1, $2)"
+					  " ON CONFLICT (scope) DO UPDATE SET retention = $2",
+					  2, types, values, SPI_OK_INSERT);
+
+	/* with the change: the bounds on patterns, classes and live partitions */
+	set = idem_partition_set_fresh();
+	if (set->nscopes > IDEM_MAX_SCOPE_PATTERNS)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("too many scopes with a retention of their own: at most %d",
+						IDEM_MAX_SCOPE_PATTERNS),
+				 errhint("Give scopes a common prefix, and its retention to \"prefix*\".")));
+	if (set->nclasses > IDEM_MAX_RETENTION_CLASSES)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("too many distinct scope retentions: at most %d",
+						IDEM_MAX_RETENTION_CLASSES),
+				 errdetail("Each distinct retention has partitions of its own."),
+				 errhint("Give scopes one of the retentions already in use.")));
+	s = idem_read_settings(GetLatestSnapshot());
+	validate_with_classes(&s, set);
+	if (retention > 0)
+		idem_claim_partitions_keep(pattern, retention * USECS_PER_SEC);
+	SPI_finish();
+	idem_unbecome_owner(&as);
+
+	maintain(&rep, true, false);
+	PG_RETURN_VOID();
+}
 
 /*
  * idem_maintain(): one maintenance round, one row per action taken.  Returns

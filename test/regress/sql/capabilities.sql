@@ -100,6 +100,7 @@ INSERT INTO calls (fn, sql) VALUES
   ('idem_inbox_dead', $$SELECT count(*) FROM idem_inbox_dead()$$),
   ('idem_maintain', $$SELECT count(*) >= 0 FROM idem_maintain()$$),
   ('idem_configure', $$SELECT idem_configure(premake => 3)$$),
+  ('idem_configure_scope', $$SELECT idem_configure_scope('cap:*', '8 days')$$),
   ('idem_stats_reset', $$SELECT idem_stats_reset()$$),
   -- monitor: the views
   ('idempotency.stats', $$SELECT count(*) > 0 FROM idempotency.stats$$),
