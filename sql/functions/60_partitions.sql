@@ -10,7 +10,8 @@
 -- idempotency.consumers as live and not dropped until they end), sealed
 -- (takes no more claims; checked through its Bloom filter), expired
 -- (sealed, and its newest claim -- or its upper bound, if later -- is older
--- than the retention window, or it is empty; dropped by the next round that
+-- than its retention: its class's, or keep_retention if longer -- or it is
+-- empty; dropped by the next round that
 -- can lock it).
 --
 -- Outbox partitions (store 'outbox'): future, current, sealed (its range
@@ -35,7 +36,9 @@ SELECT r.relid AS partition,
        CASE
            WHEN NOT r.sealed AND r.held_by IS NOT NULL THEN 'held'
            WHEN r.sealed AND (r.nkeys = 0
-                 OR greatest(r.upper, r.max_claimed_at) <= now() - s.retention) THEN 'expired'
+                 OR greatest(r.upper, r.max_claimed_at)
+                    <= now() - greatest(coalesce(r.retention, s.retention),
+                                        coalesce(r.keep_retention, interval '0'))) THEN 'expired'
            WHEN r.sealed THEN 'sealed'
            WHEN r.closed THEN 'closing'
            WHEN r.lower > now() THEN 'future'
