@@ -115,11 +115,14 @@ create_partition(const char *qualified, TimestampTz lower, TimestampTz upper,
 	values[1] = TimestampTzGetDatum(lower);
 	values[2] = TimestampTzGetDatum(upper);
 	values[3] = Int64GetDatum(class_retention / USECS_PER_SEC);
-	nulls[3] = class_retention == 0 ? 'n' : ' ';
-	if (SPI_execute_with_args("INSERT INTO idempotency.partition_registry (relid, lower, upper, retention)"
+	/* the default class names no retention (a 1.0 registry has no such column) */
+	if (SPI_execute_with_args(class_retention == 0 ?
+							  "INSERT INTO idempotency.partition_registry (relid, lower, upper)"
+							  " VALUES ($1::pg_catalog.regclass, $2, $3)" :
+							  "INSERT INTO idempotency.partition_registry (relid, lower, upper, retention)"
 							  " VALUES ($1::pg_catalog.regclass, $2, $3,"
 							  " pg_catalog.make_interval(secs => $4::pg_catalog.float8))",
-							  4, types, values, nulls, false, 0) != SPI_OK_INSERT)
+							  class_retention == 0 ? 3 : 4, types, values, nulls, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not register partition %s", qualified);
 }
 
