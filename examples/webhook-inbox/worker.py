@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Process what receiver.py stored: claim a batch from the inbox, apply each
+"""Process what idem-relay --in http stored (README.md): claim a batch from the inbox, apply each
 message's effect and mark it done in the same transaction.
 
 Run as many workers as you like: a claim leases its messages, and messages
