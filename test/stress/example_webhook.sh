@@ -142,7 +142,7 @@ def functional():
     except urllib.error.HTTPError as e:
         st = e.code
     (n,), = sql("SELECT count(*) FROM idempotency.inbox_messages WHERE message_id = 'f-2'")
-    sql("SELECT idem_grant('webhook_receiver', 'handler')")
+    sql("SELECT idem_grant('webhook_receiver', 'handler', sources => ARRAY['shop', 'billing', 'crm'])")
     check(st == 503 and n == 0, f"with the receiver's capability revoked: {st}, {n} stored")
     st, b = deliver("shop", "f-2", body)
     check(st == 200 and b.get("stored") is True, f"the capability back, the retry: {st} {b}")
