@@ -20,9 +20,11 @@ CREATE TABLE IF NOT EXISTS balances (
     balance      bigint NOT NULL
 );
 
--- the roles the receiver and the workers run as: the receiver stores
--- messages (handler), the workers lease and settle them (relay) and write
--- the ledger; neither has a right on the extension's tables
+-- the roles the receiver (idem-relay --in http) and the workers run as: the
+-- receiver stores messages (handler) of the sources it serves, the workers
+-- lease and settle them (relay) and write the ledger; neither has a right
+-- on the extension's tables.  A new sender: its name here and in the
+-- relay's --source.
 DO $$
 BEGIN
     CREATE ROLE webhook_receiver LOGIN;
@@ -35,7 +37,7 @@ BEGIN
 EXCEPTION WHEN duplicate_object THEN NULL;
 END
 $$;
-SELECT idem_grant('webhook_receiver', 'handler');
+SELECT idem_grant('webhook_receiver', 'handler', sources => ARRAY['shop', 'billing', 'crm']);
 SELECT idem_grant('webhook_worker', 'relay');
 GRANT SELECT, INSERT ON ledger TO webhook_worker;
 GRANT SELECT, INSERT, UPDATE ON balances TO webhook_worker;

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Process what receiver.py stored: claim a batch from the inbox, apply each
-message's effect and mark it done in the same transaction.
+"""Process what idem-relay --in http stored (README.md): claim a batch from
+the inbox, apply each message's effect and mark it done in the same
+transaction.
 
 Run as many workers as you like: a claim leases its messages, and messages
 that share an ordering key are handed out one run at a time, in the order

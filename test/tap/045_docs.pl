@@ -1,4 +1,5 @@
-# Docs that run: every ```sql block of README.md and doc/*.md runs, file by
+# Docs that run: every ```sql block of README.md, doc/*.md and
+# examples/*/README.md runs, file by
 # file and in order, on a fresh server (pg_cron preloaded, its database
 # postgres) as the role it names, and fails the test on any error it does
 # not announce.  The annotation is an HTML comment on the line right before
@@ -22,7 +23,9 @@
 # so where a reader sees it.  README.md starts on a bare
 # database (its quick start creates the extension and the role app); each
 # doc/*.md starts on a database with the extension created and a login role
-# app with no rights of its own.  A block runs on the session of the block
+# app with no rights of its own; an example's README.md on a database where
+# its schema.sql ran as a superuser (its first step), so its blocks name the
+# example's roles.  A block runs on the session of the block
 # before it when they have the same role (as pasted into one psql), and on a
 # new connection (\connect) when the role changes.
 #
@@ -40,7 +43,7 @@ use Test::More;
 use IdemTest;
 
 my $root = dirname(__FILE__) . '/../..';
-my @files = ("$root/README.md", sort glob("$root/doc/*.md"));
+my @files = ("$root/README.md", sort(glob("$root/doc/*.md")), sort(glob("$root/examples/*/README.md")));
 # IDEM_DOCS_ONLY=REGEX: only the files whose name matches (while editing)
 @files = grep { /$ENV{IDEM_DOCS_ONLY}/ } @files if $ENV{IDEM_DOCS_ONLY};
 
@@ -55,7 +58,11 @@ sub blocks
 	my @lines = <$fh>;
 	close $fh;
 	chomp @lines;
-	my $name = basename(dirname($path)) eq 'doc' ? 'doc/' . basename($path) : basename($path);
+	my $name =
+	    basename(dirname($path)) eq 'doc' ? 'doc/' . basename($path)
+	  : basename(dirname(dirname($path))) eq 'examples'
+	  ? 'examples/' . basename(dirname($path)) . '/' . basename($path)
+	  : basename($path);
 	my @blocks;
 	for (my $i = 0; $i < @lines; $i++)
 	{
@@ -119,8 +126,16 @@ cron.database_name = 'postgres'
 max_prepared_transactions = 10
 });
 	my $super = $node->safe_psql('postgres', 'SELECT current_user');
-	$node->safe_psql('postgres', 'CREATE EXTENSION idempotency; CREATE ROLE app LOGIN')
-	  unless $name eq 'README.md';
+	if ($name =~ m{^examples/})
+	{
+		my $schema = dirname($path) . '/schema.sql';
+		$node->safe_psql('postgres', "SET client_min_messages = warning;\n" . slurp_file($schema))
+		  if -f $schema;
+	}
+	elsif ($name ne 'README.md')
+	{
+		$node->safe_psql('postgres', 'CREATE EXTENSION idempotency; CREATE ROLE app LOGIN');
+	}
 
 	# the script: each block, with a \connect when the role changes, and
 	# markers around the statements whose result is checked; %where maps a

@@ -67,7 +67,7 @@ static const option_def options[] = {
 	/* inbound: --in SOURCE and what only it reads */
 	{"in", 'i', O_STRING, OFF(in), "SOURCE",
 	"inbound: store messages of SOURCE (http, redis, nats, amqp) in the inbox instead"},
-	{"source", 0, O_STRING, OFF(source), "NAME", "inbound: the inbox source name (default: the --in name)"},
+	{"source", 0, O_STRING, OFF(source), "NAME", "inbound: the inbox source name (default: the --in name); with {source} in --url of --in http, the names allowed there, comma-separated"},
 	{"message-id", 0, O_STRING, OFF(message_id), "SPEC",
 	"inbound: header:NAME or json:/POINTER (default per source: header:Idempotency-Key, header:id, header:Nats-Msg-Id, header:message_id)"},
 	{"ordering-key", 0, O_STRING, OFF(ordering_key), "SPEC", "inbound: header:NAME or json:/POINTER (default: none)"},
@@ -297,6 +297,18 @@ check_inbound(relay_config *cfg, int sink_given)
 		cfg->message_id = src->default_message_id;
 	if (!*cfg->source)
 		config_error("--source must not be empty%s%s", "", "");
+	if (strstr(cfg->url, "{source}"))
+	{
+		const char *t = strstr(cfg->url, "{source}");
+
+		/* the last path segment, whole: the rest of the path routes */
+		if (strcmp(src->name, "http") != 0 || t == cfg->url || t[-1] != '/' || strcmp(t, "{source}") != 0)
+			config_error("invalid --url \"%s\": {source} is for --in http only, as the whole last path segment%s",
+						 cfg->url, "");
+		if (cfg->source[0] == ',' || strstr(cfg->source, ",,") || cfg->source[strlen(cfg->source) - 1] == ',')
+			config_error("invalid --source \"%s\": the names allowed for {source}, comma-separated, none empty%s",
+						 cfg->source, "");
+	}
 	specs[0] = cfg->message_id;
 	specs[1] = cfg->ordering_key;
 	for (i = 0; i < 2; i++)

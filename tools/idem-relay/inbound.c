@@ -5,8 +5,10 @@
  *	1. fetch up to --batch messages from the source (waiting up to --poll
  *	   seconds for the first), only while the database is connected;
  *	2. store them in one statement, so one transaction, autocommit:
- *	   idem_inbox_receive(--source, message id, body, headers) per message
+ *	   idem_inbox_receive(source, message id, body, headers) per message
  *	   in the order fetched (the order an ordering key's seq follows).  The
+ *	   source is --source, or the one the message names (an http path's
+ *	   {source}: source_http.c has checked it is one --source allows).  The
  *	   message id is the header --message-id names, or the JSON pointer it
  *	   gives resolved in the body; the ordering key likewise, added to the
  *	   headers as ordering_key (doc/inbox.md, "Order"); the headers are the
@@ -84,14 +86,15 @@ db_open_inbound(inbound_db *db, const relay_config *cfg)
 	if (!db->conn)
 		return -1;
 	/*
-	 * $1 source, $2 the messages as a JSON array of {"i": id, "b": body as
-	 * a string, "h": headers, "k": ordering key} ("i", "k" absent unless
-	 * taken from a header), $3 / $4 the JSON pointers of the id / ordering
-	 * key as paths (NULL: none)
+	 * $1 source, $2 the messages as a JSON array of {"s": source, "i": id,
+	 * "b": body as a string, "h": headers, "k": ordering key} ("i", "k"
+	 * absent unless taken from a header, "s" unless the message names its
+	 * source: $1 then), $3 / $4 the JSON pointers of the id / ordering key
+	 * as paths (NULL: none)
 	 */
 	snprintf(db->receive_sql, sizeof(db->receive_sql),
-			 "SELECT m.ord, %s.idem_inbox_receive($1, m.id, m.payload, m.headers)::text "
-			 "FROM (SELECT e.ord, "
+			 "SELECT m.ord, %s.idem_inbox_receive(COALESCE(m.source, $1), m.id, m.payload, m.headers)::text "
+			 "FROM (SELECT e.ord, e.v->>'s' AS source, "
 			 "             COALESCE(e.v->>'i', (e.v->>'b')::jsonb #>> $3::text[]) AS id, "
 			 "             (e.v->>'b')::jsonb AS payload, "
 			 "             CASE WHEN k.k IS NULL THEN e.v->'h' "
@@ -116,6 +119,12 @@ batch_json(relay_buf *b, relay_message *msgs, int n)
 		relay_message *m = &msgs[i];
 
 		buf_puts(b, i ? ",{" : "{");
+		if (m->source[0])
+		{
+			buf_puts(b, "\"s\":");
+			buf_json_string(b, m->source, strlen(m->source));
+			buf_puts(b, ",");
+		}
 		if (m->message_id)
 		{
 			buf_puts(b, "\"i\":");
@@ -277,7 +286,8 @@ inbound_run(const relay_config *cfg, const source_ops *ops)
 				log_msg(out[i] == MSG_REJECTED ? LOG_WARN : LOG_ERROR,
 						out[i] == MSG_REJECTED ? "message rejected: it cannot be stored" :
 						"message not stored: the source delivers it again",
-						"ref", msgs[i].ref, "message_id", msgs[i].message_id ? msgs[i].message_id : "",
+						"ref", msgs[i].ref, "source", msgs[i].source[0] ? msgs[i].source : cfg->source,
+						"message_id", msgs[i].message_id ? msgs[i].message_id : "",
 						"sqlstate", msgs[i].sqlstate, "error", msgs[i].error, NULL);
 			if (ops->settle(state, &msgs[i], out[i], serr, sizeof(serr)) != 0 && !lost)
 			{

@@ -60,7 +60,9 @@ typedef struct relay_config
 	int			prefetch;		/* 1: claim the next batch while this one is published */
 	int			verbose;
 	/* inbound (--in) */
-	const char *source;			/* the inbox source name (default: the --in name) */
+	const char *source;			/* the inbox source name (default: the --in name);
+								 * with {source} in an http --url, the names
+								 * allowed there, comma-separated */
 	const char *message_id;		/* header:NAME or json:/POINTER (default per source) */
 	const char *ordering_key;	/* header:NAME or json:/POINTER, "" = none */
 	const char *group;			/* redis consumer group, nats durable consumer */
@@ -276,6 +278,8 @@ typedef struct relay_message
 	int			meta_closed;	/* msg_meta was called */
 	char	   *message_id;		/* from --message-id header:NAME, else NULL */
 	char	   *ordering_key;	/* from --ordering-key header:NAME, else NULL */
+	char		source[64];		/* the inbox source if the message names it (an
+								 * http path's {source}), "" = --source */
 	void	   *handle;			/* the source's, for settle */
 	char		ref[64];		/* for logs: entry id, delivery tag */
 	char		sqlstate[6];	/* set before settle when not stored */

@@ -1,9 +1,12 @@
 /*
  * source_http.c: an HTTP webhook receiver (libmicrohttpd) on --url
  * http://HOST:PORT[/PATH] (default http://127.0.0.1:8080/; with a PATH,
- * only POSTs to it).  Each POST is a message: the raw body, the request's
- * headers as headers (the default message id: Idempotency-Key).  The
- * answer waits for the main thread's commit:
+ * only POSTs to it).  A PATH ending in the segment {source}
+ * (/webhooks/{source}) routes: a POST to /webhooks/NAME is stored under
+ * inbox source NAME if --source lists it (comma-separated), else 404; one
+ * receiver for several senders.  Each POST is a message: the raw body, the
+ * request's headers as headers (the default message id: Idempotency-Key).
+ * The answer waits for the main thread's commit:
  *
  *	200 {"stored": true}                       stored
  *	200 {"stored": false, "duplicate": true}   received before (a redelivery)
@@ -15,8 +18,9 @@
  *	503 + Retry-After                          not stored this time (the
  *	                                           database refused or is away, or
  *	                                           the relay is stopping)
- *	405, 404, 413                              not a POST, another path, a body
- *	                                           over 1 MiB
+ *	405, 404, 413                              not a POST, another path (or a
+ *	                                           source --source does not list),
+ *	                                           a body over 1 MiB
  *
  * Signatures (--hmac-secret): HMAC-SHA256 with the secret as key, compared
  * in constant time.  --hmac-format hex: header --hmac-header (default
@@ -76,7 +80,9 @@ typedef struct http_source
 {
 	const relay_config *cfg;
 	struct MHD_Daemon *daemon;
-	char		path[256];		/* "" = any */
+	char		path[256];		/* "" = any; with {source}: the prefix before it */
+	int			by_source;		/* the path ends in {source} */
+	char		sources[1024];	/* then: ",NAME,NAME," of the --source list */
 	pthread_mutex_t lock;
 	pthread_cond_t arrived;
 	http_req   *head,
@@ -194,6 +200,29 @@ signature_ok(const relay_config *cfg, const char *sig, const char *body, size_t 
 
 /* --- the request threads -------------------------------------------------- */
 
+/*
+ * url is a path this receiver takes: 1, with the source it names (by
+ * {source}) into source[64], "" otherwise
+ */
+static int
+path_ok(const http_source *st, const char *url, char *source)
+{
+	size_t		plen = strlen(st->path);
+	const char *name = url + plen;
+	char		item[68];
+
+	source[0] = '\0';
+	if (!st->by_source)
+		return !st->path[0] || strcmp(url, st->path) == 0;
+	if (strncmp(url, st->path, plen) != 0 || !*name || strlen(name) > 63 || strchr(name, ','))
+		return 0;
+	snprintf(item, sizeof(item), ",%s,", name);
+	if (!strstr(st->sources, item))
+		return 0;
+	snprintf(source, 64, "%s", name);
+	return 1;
+}
+
 typedef struct header_walk
 {
 	relay_message *msg;
@@ -308,6 +337,7 @@ handle(void *cls, struct MHD_Connection *conn, const char *url, const char *meth
 	http_req   *req = *con_cls;
 	const char *why;
 	header_walk walk;
+	char		source[64];
 
 	(void) version;
 	if (!req)
@@ -330,7 +360,7 @@ handle(void *cls, struct MHD_Connection *conn, const char *url, const char *meth
 	}
 	if (strcmp(method, "POST") != 0)
 		return respond_error(conn, 405, "POST expected");
-	if (st->path[0] && strcmp(url, st->path) != 0)
+	if (!path_ok(st, url, source))
 		return respond_error(conn, 404, "not found");
 	if (req->too_big)
 		return respond_error(conn, 413, "body over 1 MiB");
@@ -343,6 +373,7 @@ handle(void *cls, struct MHD_Connection *conn, const char *url, const char *meth
 		return respond_error(conn, 401, why);
 	}
 	msg_set_body(&req->msg, req->body.data ? req->body.data : "", req->body.len);
+	memcpy(req->msg.source, source, sizeof(req->msg.source));
 	walk.msg = &req->msg;
 	walk.cfg = st->cfg;
 	MHD_get_connection_values(conn, MHD_HEADER_KIND, each_header, &walk);
@@ -441,6 +472,19 @@ hs_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 	snprintf(port, sizeof(port), "%.*s", (int) (slash ? slash - colon - 1 : (long) strlen(colon + 1)), colon + 1);
 	if (slash && strcmp(slash, "/") != 0)
 		snprintf(st->path, sizeof(st->path), "%s", slash);
+	if (strstr(st->path, "{source}"))
+	{
+		/* config.c has checked it is the last segment */
+		*strstr(st->path, "{source}") = '\0';
+		st->by_source = 1;
+		if (strlen(cfg->source) + 3 > sizeof(st->sources))
+		{
+			snprintf(err, errlen, "--source is too long for {source} (at most %zu bytes)", sizeof(st->sources) - 3);
+			hs_close(st);
+			return -1;
+		}
+		snprintf(st->sources, sizeof(st->sources), ",%s,", cfg->source);
+	}
 	memset(&hints, 0, sizeof(hints));
 	hints.ai_family = AF_UNSPEC;
 	hints.ai_socktype = SOCK_STREAM;
@@ -467,7 +511,7 @@ hs_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 		hs_close(st);
 		return -1;
 	}
-	log_msg(LOG_INFO, "receiving webhooks", "url", cfg->url,
+	log_msg(LOG_INFO, "receiving webhooks", "url", cfg->url, "source", cfg->source,
 			"signature", *cfg->hmac_secret ? cfg->hmac_format : "none", NULL);
 	*state = st;
 	return 0;
