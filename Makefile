@@ -38,6 +38,7 @@ SQL_INIT = sql/init.sql
 # changed in sql/updates/).  Emptied when a version is released.
 NEW_TABLES = sql/tables/07_capabilities.sql sql/tables/10_groups.sql sql/tables/10_late.sql sql/tables/10_scope_retention.sql sql/tables/40_outbox.sql sql/tables/50_requests.sql sql/tables/55_inbox.sql \
              sql/tables/65_stats.sql sql/tables/80_shards.sql
+NEW_TABLES += sql/tables/22_store_settings.sql
 SQL_INSTALL = sql/idempotency--$(EXTVERSION).sql
 SQL_UPDATES = $(sort $(wildcard sql/updates/idempotency--*--$(EXTVERSION).sql))
 SQL_UPDATES_BUILT = $(patsubst sql/updates/%,sql/%,$(SQL_UPDATES))

@@ -22,6 +22,9 @@
 -- Request partitions (store 'requests'): future, current, sealed (its
 -- range has passed; kept for the retention), expired.
 --
+-- Each store's partitions are kept for that store's retention
+-- (idempotency.current_store_settings()).
+--
 -- Inbox partitions (store 'inbox'): the same states; pinned means it holds
 -- a message that is not done (pending, leased, waiting or dead).
 --
@@ -79,7 +82,8 @@ SELECT o.relid, o.lower, o.upper,
        NULL, NULL,
        'outbox', NULL, NULL
 FROM idempotency.outbox_partitions o
-CROSS JOIN idempotency.current_settings() s
+CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
+            WHERE c.store = 'outbox') s
 UNION ALL
 SELECT q.relid, q.lower, q.upper,
        CASE
@@ -93,7 +97,8 @@ SELECT q.relid, q.lower, q.upper,
        NULL, NULL,
        'requests', NULL, NULL
 FROM idempotency.request_partitions q
-CROSS JOIN idempotency.current_settings() s
+CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
+            WHERE c.store = 'requests') s
 UNION ALL
 SELECT i.relid, i.lower, i.upper,
        CASE
@@ -108,6 +113,7 @@ SELECT i.relid, i.lower, i.upper,
        NULL, NULL,
        'inbox', NULL, NULL
 FROM idempotency.inbox_partitions i
-CROSS JOIN idempotency.current_settings() s;
+CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
+            WHERE c.store = 'inbox') s;
 COMMENT ON VIEW idempotency.partitions IS
     'time partitions of idempotency.claims, idempotency.outbox_events, idempotency.requests and idempotency.inbox_messages with range, state and size';

@@ -20,8 +20,9 @@
  * partition carries its own indexes (the parent has none, so that
  * pg_restore can attach dumped partitions to the parent the extension made).
  *
- * The partitions follow the settings of the claims store (retention,
- * partition_interval, premake); a partition is kept for the retention after
+ * The partitions follow the settings of the claims store (partition_interval,
+ * premake) and each store's retention (common/store_retention.c: its own,
+ * else the claims'); a partition is kept for the retention after
  * its upper bound or its newest row, whichever is later, and longer while
  * pinned (for the outbox, unless idempotency.outbox_keep_undelivered is off,
  * for change data capture without a relay).

@@ -10,16 +10,9 @@
 #ifndef IDEM_DELIVERY_STORE_H
 #define IDEM_DELIVERY_STORE_H
 
+#include "common/store_retention.h"	/* IdemStoreId */
 #include "datatype/timestamp.h"
 #include "utils/relcache.h"
-
-typedef enum IdemStoreId
-{
-	IDEM_STORE_OUTBOX,
-	IDEM_STORE_REQUESTS,
-	IDEM_STORE_INBOX,
-	IDEM_NSTORES
-} IdemStoreId;
 
 /* partition buckets are 1 .. IDEM_STORE_BUCKETS; event ids carry 24 bits */
 #define IDEM_STORE_BUCKETS		((1 << 24) - 1)

@@ -32,6 +32,7 @@
 #include "delivery/store.h"
 #include "maintenance/actions.h"
 #include "maintenance/maintenance.h"
+#include "maintenance/store_settings.h"
 
 #include "catalog/pg_type.h"
 #include "claims/classes.h"
@@ -72,6 +73,13 @@ lock_maintenance(bool wait)
 	return LockAcquire(&tag, ExclusiveLock, false, !wait) != LOCKACQUIRE_NOT_AVAIL;
 }
 
+
+/* Wait for the maintenance lock (idem_configure_store(), store_settings.c). */
+void
+idem_maintenance_lock_wait(void)
+{
+	(void) lock_maintenance(true);
+}
 
 /*
  * May the round honour its caller's settings where they let it drop more
@@ -195,6 +203,7 @@ idem_configure(PG_FUNCTION_ARGS)
 	s.retention = idem_interval_seconds(&s.retention_iv);
 	s.interval = idem_interval_seconds(&s.interval_iv);
 	validate_with_classes(&s, idem_partition_set_fresh());
+	idem_validate_store_settings(&s);
 
 	/* store intervals as given; NULL kept the stored (or default) value */
 	values[0] = IntervalPGetDatum(&s.retention_iv);

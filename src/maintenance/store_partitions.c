@@ -5,7 +5,11 @@
  *	  outbox's events, the inbox's messages and the requests ahead, give
  *	  them the new width after partition_interval changed, and drop them
  *	  past their retention, never while one holds a row its store pins (an
- *	  undelivered event, say).  The stores are described in
+ *	  undelivered event, say).  Each store has its own retention
+ *	  (idem_configure_store(), store_settings.c), else idem_configure's,
+ *	  read once per round under the maintenance lock: a partition goes only
+ *	  once its upper bound and its newest row are both older than the
+ *	  retention in force at the round.  The stores are described in
  *	  delivery/store.c.
  *
  * Locking rules:
@@ -46,6 +50,7 @@
 #include "idempotency.h"
 #include "claims/settings.h"
 #include "maintenance/actions.h"
+#include "maintenance/store_settings.h"
 
 #include "access/xact.h"
 #include "catalog/pg_type.h"
@@ -75,6 +80,7 @@ typedef struct StoreRound
 	const IdemSettings *s;
 	TimestampTz now;
 	const StoreDesc *d;
+	int64		retention;		/* this store's, in seconds */
 	char	   *parent_name;	/* qualified, for reports and DDL */
 	Oid			parent;
 } StoreRound;
@@ -343,7 +349,7 @@ static bool
 has_young_rows(DropCall *c)
 {
 	return partition_newest(c->r->d, c->name) >
-		c->r->now - c->r->s->retention * USECS_PER_SEC;
+		c->r->now - c->r->retention * USECS_PER_SEC;
 }
 
 /* xmin of the active snapshot, as xid8: every xid it cannot see is at least that */
@@ -554,7 +560,7 @@ drop_expired(StoreRound *r, StorePartition *parts, int n)
 		char	   *relname = get_rel_name(p->relid);
 		DropCall   *c = &b.calls[b.n];
 
-		if (relname == NULL || p->upper + r->s->retention * USECS_PER_SEC > r->now)
+		if (relname == NULL || p->upper + r->retention * USECS_PER_SEC > r->now)
 			continue;
 		c->r = r;
 		c->p = p;
@@ -572,9 +578,10 @@ drop_expired(StoreRound *r, StorePartition *parts, int n)
 
 /* One store's part of a maintenance round. */
 static void
-maintain_store(MaintainReport *rep, const IdemSettings *s, TimestampTz now, const StoreDesc *d)
+maintain_store(MaintainReport *rep, const IdemSettings *s, TimestampTz now,
+			   const StoreDesc *d, int64 retention)
 {
-	StoreRound	r = {rep, s, now, d, NULL, InvalidOid};
+	StoreRound	r = {rep, s, now, d, retention, NULL, InvalidOid};
 	StorePartition *parts;
 	int			n;
 
@@ -608,8 +615,12 @@ maintain_store(MaintainReport *rep, const IdemSettings *s, TimestampTz now, cons
 void
 idem_stores_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now)
 {
+	int64		retention[IDEM_NSTORES];
+
+	/* under the lock idem_configure_store() writes under: what is in force */
+	idem_store_retentions(s, GetLatestSnapshot(), retention);
 	for (int i = 0; i < IDEM_NSTORES; i++)
 		if (idem_stores[i].name != NULL)
-			maintain_store(rep, s, now, &idem_stores[i]);
+			maintain_store(rep, s, now, &idem_stores[i], retention[i]);
 }
 
