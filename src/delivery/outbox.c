@@ -238,29 +238,17 @@ idem_outbox_init(void)
  *
  * Locked deliveries rows, as outbox_read_deliveries() expects them: FROM one of
  * the DELIVERIES_* sources below, which lock rows through LATERAL lookups
- * (an index probe per key, in key order, whatever the statistics say), and
- * bring the newest seq of each aggregate along.  A LATERAL lookup that does
+ * (an index probe per key, in key order, whatever the statistics say).  The
+ * newest seq of an aggregate is not read with them: few rows need it
+ * (outbox_last_seq()), and reading it probed every partition's index for
+ * every locked row.  A LATERAL lookup that does
  * not lock carries a LIMIT, so that the planner cannot flatten it into a
  * hash join over the whole table.
  */
 #define DELIVERY_COLUMNS \
 	"SELECT d.aggregate_type, d.aggregate_id, d.acked_seq, d.leased_seq, d.lease_token," \
 	" d.lease_until, d.attempts, d.retry_at, d.dead_seq, d.last_error, d.redrive_seq," \
-	" coalesce(s.last_seq, 0), d.row_ctid"
-/*
- * The newest seq: of the aggregate's event rows (newest first in every
- * partition's (aggregate_type, aggregate_id, seq) index) or of its counter
- * ('wal' seqs, and those whose rows retention dropped), whichever is
- * greater.
- */
-#define NEWEST_SEQ(t, i) \
-	"greatest((SELECT s.last_seq FROM idempotency.outbox_sequences s" \
-	"   WHERE s.aggregate_type = " t " AND s.aggregate_id = " i " LIMIT 1)," \
-	"  (SELECT e.seq FROM idempotency.outbox_events e" \
-	"   WHERE e.aggregate_type = " t " AND e.aggregate_id = " i \
-	"   ORDER BY e.seq DESC LIMIT 1))"
-#define DELIVERY_JOIN_SEQUENCES \
-	" CROSS JOIN LATERAL (SELECT " NEWEST_SEQ("d.aggregate_type", "d.aggregate_id") " AS last_seq) s"
+	" d.row_ctid"
 /* the rows of the aggregates named by $1 (types) and $2 (ids) that meet cond */
 #define DELIVERIES_BY_KEYS(sub, cond, lock) \
 	" FROM (SELECT k.t, k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)" \
@@ -268,14 +256,14 @@ idem_outbox_init(void)
 	" CROSS JOIN LATERAL (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
 	"   WHERE d.subscription = " sub \
 	"     AND d.aggregate_type = k.t COLLATE \"C\" AND d.aggregate_id = k.i COLLATE \"C\"" cond \
-	"   " lock ") d" DELIVERY_JOIN_SEQUENCES
+	"   " lock ") d"
 /* the rows that meet cond, in retry_at order, at most $2, skipping locked ones */
 #define DELIVERIES_PARKED(cond) \
 	" FROM (SELECT d.ctid AS row_ctid, d.* FROM idempotency.outbox_deliveries d" \
 	"   WHERE d.subscription = $4 AND " cond \
 	"     AND (d.lease_until IS NULL OR d.lease_until <= $1)" \
 	"     AND ($3::text[] IS NULL OR d.aggregate_type COLLATE \"C\" = ANY ($3::text[]))" \
-	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d" DELIVERY_JOIN_SEQUENCES
+	"   ORDER BY d.retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) d"
 
 static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 	/*
@@ -291,6 +279,21 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		" ON CONFLICT (aggregate_type, aggregate_id)"
 		" DO UPDATE SET last_seq = excluded.last_seq, wal_seq = excluded.wal_seq",
 		3, {TEXTOID, TEXTARRAYOID, INT8ARRAYOID}
+	},
+	/*
+	 * The newest seq of aggregate ($1, $2): of its event rows (newest first
+	 * in every partition's (aggregate_type, aggregate_id, seq) index) or of
+	 * its counter ('wal' seqs, and those whose rows retention dropped),
+	 * whichever is greater; 0 for none.
+	 */
+	[ST_NEWEST_SEQ] = {
+		"SELECT coalesce(greatest("
+		"  (SELECT s.last_seq FROM idempotency.outbox_sequences s"
+		"   WHERE s.aggregate_type = $1 COLLATE \"C\" AND s.aggregate_id = $2 COLLATE \"C\" LIMIT 1),"
+		"  (SELECT e.seq FROM idempotency.outbox_events e"
+		"   WHERE e.aggregate_type = $1 COLLATE \"C\" AND e.aggregate_id = $2 COLLATE \"C\""
+		"   ORDER BY e.seq DESC LIMIT 1)), 0)",
+		2, {TEXTOID, TEXTOID}
 	},
 	[ST_CURSOR_READ] = {
 		"SELECT position, event_id FROM idempotency.outbox_cursor WHERE subscription = $1",
@@ -355,7 +358,12 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		" ORDER BY seq LIMIT $4",
 		4, {TEXTOID, TEXTOID, INT8OID, INT4OID}
 	},
-	/* rows this transaction holds locked: found by ctid */
+	/*
+	 * Rows this transaction holds locked: found by ctid.  The ANY makes it
+	 * a TID scan of those rows; the join on ctid alone was planned as a
+	 * hash join over a sequential scan of the whole table (the generic
+	 * plan cannot know how few rows the arrays hold).
+	 */
 	[ST_SET_STATE] = {
 		"UPDATE idempotency.outbox_deliveries d"
 		" SET acked_seq = u.acked, leased_seq = u.leased, lease_token = u.token,"
@@ -364,7 +372,7 @@ static const IdemStatement outbox_plans[NUM_STATEMENTS] = {
 		" FROM unnest($1::tid[], $2::int8[], $3::int8[], $4::uuid[], $5::timestamptz[],"
 		"             $6::int4[], $7::timestamptz[], $8::int8[], $9::text[], $10::int8[])"
 		"   AS u(row_ctid, acked, leased, token, until, attempts, retry, dead, err, redrive)"
-		" WHERE d.ctid = u.row_ctid",
+		" WHERE d.ctid = ANY ($1::tid[]) AND d.ctid = u.row_ctid",
 		10, {TIDARRAYOID, INT8ARRAYOID, INT8ARRAYOID, UUIDARRAYOID, TIMESTAMPTZARRAYOID,
 			INT4ARRAYOID, TIMESTAMPTZARRAYOID, INT8ARRAYOID, TEXTARRAYOID, INT8ARRAYOID}
 	},
@@ -519,10 +527,34 @@ outbox_read_deliveries(uint64 n)
 		d->redrive = !isnull;
 		if (!isnull)
 			d->redrive_seq = DatumGetInt64(v);
-		d->last_seq = DatumGetInt64(idem_spi_col(r, 12, &isnull));
-		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 13, &isnull)), &d->ctid);
+		d->last_seq_known = false;
+		ItemPointerCopy((ItemPointer) DatumGetPointer(idem_spi_col(r, 12, &isnull)), &d->ctid);
 	}
 	return ds;
+}
+
+/*
+ * The newest seq of d's aggregate (ST_NEWEST_SEQ), read on first use and
+ * then remembered for the call.  It is read in a snapshot of its own, taken
+ * now: a caller that compares it with rows it read must have read them
+ * after this (see take_run() in outbox_lease.c); one that compares it with
+ * acked_seq alone may read it late (a later snapshot only sees a greater
+ * seq, so "nothing pending" holds in the earlier one too).
+ */
+int64
+outbox_last_seq(Delivery *d)
+{
+	Datum		values[2];
+	bool		isnull;
+
+	if (d->last_seq_known)
+		return d->last_seq;
+	values[0] = CStringGetTextDatum(d->aggregate_type);
+	values[1] = CStringGetTextDatum(d->aggregate_id);
+	(void) outbox_exec(ST_NEWEST_SEQ, values, NULL, SPI_OK_SELECT);
+	d->last_seq = DatumGetInt64(idem_spi_col(0, 1, &isnull));
+	d->last_seq_known = true;
+	return d->last_seq;
 }
 
 /*

@@ -80,6 +80,7 @@ extern int	outbox_mode;
 typedef enum
 {
 	ST_WAL_SEQ,
+	ST_NEWEST_SEQ,
 	ST_CURSOR_READ,
 	ST_CURSOR_MAKE,
 	ST_CURSOR_WRITE,
@@ -138,13 +139,15 @@ typedef struct Delivery
 	char	   *error;			/* last_error, or NULL */
 	bool		redrive;		/* redrive_seq set: waiting for the lease to end */
 	int64		redrive_seq;
-	int64		last_seq;		/* newest seq, as the locking statement saw it */
+	int64		last_seq;		/* newest seq, once read: outbox_last_seq() */
+	bool		last_seq_known;
 	ItemPointerData ctid;		/* of the locked row version */
 	bool		changed;
 	bool		unpark;			/* try to unpark after writing */
 } Delivery;
 
 extern Delivery *outbox_read_deliveries(uint64 n);
+extern int64 outbox_last_seq(Delivery *d);
 extern void outbox_park(Delivery *d, TimestampTz at);
 extern void outbox_clear_dead(Delivery *d, TimestampTz now);
 extern void outbox_rewind_to(Delivery *d, int64 seq, TimestampTz now);

@@ -154,6 +154,15 @@ fetch_run(LeaseCall *c, Delivery *d, int *n)
  * A seq at or below the newest that has no row was emitted in outbox_mode
  * 'wal' (or its partition is gone after a rewind): it is passed over at the
  * head; inside a run, the run stops before it.
+ *
+ * The newest seq (outbox_last_seq(), an index probe of every partition) is
+ * read only where it decides something: an exhausted head, and a head
+ * without a row.  There it is read before the rows it is compared with
+ * (the index is read again after it): a seq at or below it has committed,
+ * so a later snapshot sees its row if it has one, and an event committed
+ * in between is never taken for one that was never stored.  Whether the
+ * scan saw all of a run is not asked: with room in the batch, the run is
+ * read from the index.
  */
 static void
 take_run(LeaseCall *c, Delivery *d, LeasedEvent *evs, int nevs)
@@ -172,7 +181,7 @@ take_run(LeaseCall *c, Delivery *d, LeasedEvent *evs, int nevs)
 		outbox_end_lease(d, c->now);
 	if (d->dead && !outbox_apply_dead_policy(d, c->now))
 		return;
-	if (d->attempts >= outbox_max_attempts && d->acked < d->last_seq)
+	if (d->attempts >= outbox_max_attempts && d->acked < outbox_last_seq(d))
 	{
 		outbox_head_exhausted(d, c->now);
 		if (d->dead && !outbox_apply_dead_policy(d, c->now))
@@ -194,8 +203,8 @@ take_run(LeaseCall *c, Delivery *d, LeasedEvent *evs, int nevs)
 			for (int i = first; i < nevs && evs[i].seq <= next; i++)
 				if (evs[i].seq == next)
 					next++;
-			/* it saw part of the run: read the rest from the index, if it fits */
-			if (next <= d->last_seq && c->taken + (next - d->acked - 1) < c->batch)
+			/* there may be more of the run: read it from the index, if it fits */
+			if (c->taken + (next - d->acked - 1) < c->batch)
 				evs = NULL;
 		}
 	}
@@ -203,12 +212,20 @@ take_run(LeaseCall *c, Delivery *d, LeasedEvent *evs, int nevs)
 	{
 		evs = fetch_run(c, d, &nevs);
 		first = 0;
-		if (nevs == 0 && d->acked < d->last_seq)
+		if ((nevs == 0 || evs[0].seq > d->acked + 1) && !d->last_seq_known)
+		{
+			/* a test holds the claim here while an emit commits */
+			idem_debug_wait("outbox_claim_newest_seq");
+			if (outbox_last_seq(d) > d->acked)
+				evs = fetch_run(c, d, &nevs);	/* read again, after the newest seq */
+		}
+		if (nevs == 0 && d->last_seq_known && d->acked < d->last_seq)
 		{
 			d->acked = d->last_seq;		/* nothing but rows never stored */
 			d->changed = true;
 		}
-		else if (nevs > 0 && evs[0].seq > d->acked + 1 && evs[0].seq <= d->last_seq)
+		else if (nevs > 0 && evs[0].seq > d->acked + 1 && d->last_seq_known &&
+				 evs[0].seq <= d->last_seq)
 		{
 			d->acked = evs[0].seq - 1;
 			d->changed = true;
@@ -266,7 +283,7 @@ lease_parked(LeaseCall *c, OutboxStatement st)
 		if (!type_wanted(c, ds[i].aggregate_type))
 			continue;			/* a relay limited by prefix: not its type */
 		take_run(c, &ds[i], NULL, 0);
-		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= ds[i].last_seq)
+		if (!ds[i].leased && !ds[i].dead && ds[i].acked >= outbox_last_seq(&ds[i]))
 			ds[i].unpark = true;
 	}
 	outbox_write_deliveries(ds, n, c->now);

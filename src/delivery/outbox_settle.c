@@ -189,7 +189,7 @@ advance(Delivery *d, int64 to, TimestampTz now)
 		outbox_end_lease(d, now);
 	if (!d->leased)
 		d->attempts = 0;
-	if (d->parked && !d->dead && !d->leased && d->acked >= d->last_seq)
+	if (d->parked && !d->dead && !d->leased && d->acked >= outbox_last_seq(d))
 		d->unpark = true;
 }
 
