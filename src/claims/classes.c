@@ -102,6 +102,41 @@ idem_scope_retentions_read(Relation rel, Snapshot snap, IdemPartitionSet *set)
 }
 
 /*
+ * Add a prefix pattern (without its '*') of a retention in microseconds,
+ * unless the table has a row for the same prefix: the dedup claims of the
+ * inbox and of the requests follow their store's retention, unless a row
+ * of idempotency.scope_retention says otherwise.
+ */
+void
+idem_scope_retention_add(IdemPartitionSet *set, const char *prefix, int64 retention)
+{
+	int			len = strlen(prefix);
+	IdemScopeRetention *r;
+	bool		known = false;
+
+	for (int i = 0; i < set->nscopes; i++)
+		if (set->scopes[i].prefix && set->scopes[i].len == len &&
+			memcmp(set->scopes[i].scope, prefix, len) == 0)
+			return;
+	set->scopes = set->scopes == NULL ? palloc(sizeof(IdemScopeRetention)) :
+		repalloc(set->scopes, (set->nscopes + 1) * sizeof(IdemScopeRetention));
+	set->classes = set->classes == NULL ? palloc(sizeof(int64)) :
+		repalloc(set->classes, (set->nclasses + 1) * sizeof(int64));
+	r = &set->scopes[set->nscopes++];
+	r->scope = pstrdup(prefix);
+	r->len = len;
+	r->prefix = true;
+	r->retention = retention;
+	for (int i = 0; i < set->nclasses && !known; i++)
+		known = set->classes[i] == retention;
+	if (!known)
+	{
+		set->classes[set->nclasses++] = retention;
+		qsort(set->classes, set->nclasses, sizeof(int64), class_ascending);
+	}
+}
+
+/*
  * The retention class of a scope's new claims, in microseconds (0: the
  * default class): the scope's own row, else its longest prefix's.
  */

@@ -46,6 +46,7 @@
 #include "claims/settings.h"
 #include "claims/classes.h"
 #include "common/args.h"
+#include "common/store_retention.h"
 
 #include <limits.h>
 
@@ -80,6 +81,7 @@ static IdemPartitionSet *partition_cache = NULL;
 static Oid	cached_registry_relid = InvalidOid;
 static Oid	cached_settings_relid = InvalidOid;
 static Oid	cached_scopes_relid = InvalidOid;
+static Oid	cached_stores_relid = InvalidOid;
 static uint64 partition_generation = 0;
 
 /* invalidations of the registry seen; a build that sees this move restarts */
@@ -89,7 +91,8 @@ static void
 partition_cache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == cached_registry_relid ||
-		relid == cached_settings_relid || relid == cached_scopes_relid)
+		relid == cached_settings_relid || relid == cached_scopes_relid ||
+		relid == cached_stores_relid)
 	{
 		partition_cache = NULL;
 		registry_invals++;
@@ -179,6 +182,7 @@ build_partition_set(void)
 	cached_registry_relid = regid;
 	cached_settings_relid = setid;
 	cached_scopes_relid = scopesid;
+	cached_stores_relid = get_relname_relid("store_settings", idem_schema_oid());
 	for (;;)
 	{
 		Relation	rel;
@@ -234,7 +238,19 @@ build_partition_set(void)
 		}
 		table_endscan(scan);
 		if (scopesrel != NULL)
+		{
+			IdemStoreOverride stores[IDEM_NSTORES];
+
 			idem_scope_retentions_read(scopesrel, snap, set);
+			/* the dedup claims of the inbox and the requests follow their stores */
+			idem_store_overrides(snap, stores);
+			if (stores[IDEM_STORE_INBOX].set)
+				idem_scope_retention_add(set, IDEM_INBOX_SCOPE_PREFIX,
+										 stores[IDEM_STORE_INBOX].retention * USECS_PER_SEC);
+			if (stores[IDEM_STORE_REQUESTS].set)
+				idem_scope_retention_add(set, IDEM_REQUEST_SCOPE_PREFIX,
+										 stores[IDEM_STORE_REQUESTS].retention * USECS_PER_SEC);
+		}
 		MemoryContextSwitchTo(oldcxt);
 
 		UnregisterSnapshot(snap);

@@ -24,6 +24,13 @@ typedef enum IdemStoreId
 	IDEM_NSTORES
 } IdemStoreId;
 
+/*
+ * The claim scopes of the inbox's and the requests' dedup claims start so;
+ * those claims follow their store's retention (claims/classes.c).
+ */
+#define IDEM_INBOX_SCOPE_PREFIX		"inbox:"
+#define IDEM_REQUEST_SCOPE_PREFIX	"request:"
+
 /* A store's own retention, if idempotency.store_settings has one. */
 typedef struct IdemStoreOverride
 {

@@ -89,8 +89,7 @@ PG_FUNCTION_INFO_V1(idem_inbox_extend);
 PG_FUNCTION_INFO_V1(idem_inbox_replay);
 
 /* the claims scope of a source is this prefix and the source */
-#define INBOX_SCOPE_PREFIX		"inbox:"
-#define INBOX_MAX_SOURCE_BYTES	(IDEM_MAX_SCOPE_BYTES - (int) strlen(INBOX_SCOPE_PREFIX))
+#define INBOX_MAX_SOURCE_BYTES	(IDEM_MAX_SCOPE_BYTES - (int) strlen(IDEM_INBOX_SCOPE_PREFIX))
 
 /* candidate queries one claim runs at most while its batch is not full */
 #define INBOX_CLAIM_ROUNDS		8
@@ -387,7 +386,7 @@ idem_inbox_receive(PG_FUNCTION_ARGS)
 	key = ordering_key(headers);
 	idem_capability_require("idem_inbox_receive", IDEM_CAP_HANDLER, IDEM_AXIS_SOURCE, source);
 
-	if (!idem_claim_key(cstring_to_text(psprintf(INBOX_SCOPE_PREFIX "%s", source)),
+	if (!idem_claim_key(cstring_to_text(psprintf(IDEM_INBOX_SCOPE_PREFIX "%s", source)),
 						message_id, payload, "idem_inbox_receive()"))
 		PG_RETURN_BOOL(false);
 

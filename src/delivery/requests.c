@@ -120,9 +120,8 @@ PG_FUNCTION_INFO_V1(idem_request_extend);
 PG_FUNCTION_INFO_V1(idem_request_complete);
 PG_FUNCTION_INFO_V1(idem_request_abandon);
 
-/* claims of requests go into scope REQUEST_SCOPE_PREFIX || scope */
-#define REQUEST_SCOPE_PREFIX	"request:"
-#define MAX_REQUEST_SCOPE_BYTES	(IDEM_MAX_SCOPE_BYTES - (int) strlen(REQUEST_SCOPE_PREFIX))
+/* claims of requests go into scope IDEM_REQUEST_SCOPE_PREFIX || scope */
+#define MAX_REQUEST_SCOPE_BYTES	(IDEM_MAX_SCOPE_BYTES - (int) strlen(IDEM_REQUEST_SCOPE_PREFIX))
 
 /* how long begin() with wait sleeps between looks, at first and at most */
 #define WAIT_FIRST_MS	10
@@ -175,7 +174,7 @@ request_key_args(FunctionCallInfo fcinfo, RequestKey *rk)
 	idem_check_scope(rk->scope, MAX_REQUEST_SCOPE_BYTES);
 	rk->key_str = text_to_cstring(rk->key);
 	rk->scope_str = text_to_cstring(rk->scope);
-	rk->claim_scope = cstring_to_text(psprintf("%s%s", REQUEST_SCOPE_PREFIX, rk->scope_str));
+	rk->claim_scope = cstring_to_text(psprintf("%s%s", IDEM_REQUEST_SCOPE_PREFIX, rk->scope_str));
 	idem_capability_require(get_func_name(fcinfo->flinfo->fn_oid), IDEM_CAP_HANDLER,
 							IDEM_AXIS_SCOPE, rk->scope_str);
 }

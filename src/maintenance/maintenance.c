@@ -202,8 +202,9 @@ idem_configure(PG_FUNCTION_ARGS)
 		s.premake = PG_GETARG_INT32(2);
 	s.retention = idem_interval_seconds(&s.retention_iv);
 	s.interval = idem_interval_seconds(&s.interval_iv);
-	validate_with_classes(&s, idem_partition_set_fresh());
+	/* a store's own retention first: its message names what to change */
 	idem_validate_store_settings(&s);
+	validate_with_classes(&s, idem_partition_set_fresh());
 
 	/* store intervals as given; NULL kept the stored (or default) value */
 	values[0] = IntervalPGetDatum(&s.retention_iv);
@@ -225,6 +226,36 @@ idem_configure(PG_FUNCTION_ARGS)
 
 
 /*
+ * Error out unless the claims' retention classes -- the patterns of
+ * idempotency.scope_retention and the stores' retentions their dedup claims
+ * follow (classes.c) -- as this transaction sees them, fit the bounds on
+ * patterns, classes and live partitions.  For idem_configure_scope() and
+ * idem_configure_store(), after their write, under the maintenance lock.
+ */
+void
+idem_validate_claim_classes(void)
+{
+	IdemPartitionSet *set = idem_partition_set_fresh();
+	IdemSettings s;
+
+	if (set->nscopes > IDEM_MAX_SCOPE_PATTERNS)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("too many scopes with a retention of their own: at most %d",
+						IDEM_MAX_SCOPE_PATTERNS),
+				 errhint("Give scopes a common prefix, and its retention to \"prefix*\".")));
+	if (set->nclasses > IDEM_MAX_RETENTION_CLASSES)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("too many distinct scope retentions: at most %d",
+						IDEM_MAX_RETENTION_CLASSES),
+				 errdetail("Each distinct retention has partitions of its own; the inbox's and the requests' own retentions count too."),
+				 errhint("Give scopes one of the retentions already in use.")));
+	s = idem_read_settings(GetLatestSnapshot());
+	validate_with_classes(&s, set);
+}
+
+/*
  * idem_configure_scope(scope, retention): keep the claims of a scope, or of
  * every scope starting with a prefix ('prefix*'), for a retention of their
  * own; NULL retention removes it.  Validated with the other classes under
@@ -238,8 +269,6 @@ idem_configure_scope(PG_FUNCTION_ARGS)
 {
 	text	   *scope;
 	char	   *pattern;
-	IdemSettings s;
-	IdemPartitionSet *set;
 	IdemAsOwner as;
 	MaintainReport rep = {NULL, NULL, DEBUG1, 0};
 	Oid			types[2] = {TEXTOID, INTERVALOID};
@@ -285,23 +314,7 @@ idem_configure_scope(PG_FUNCTION_ARGS)
 					  " ON CONFLICT (scope) DO UPDATE SET retention = $2",
 					  2, types, values, SPI_OK_INSERT);
 
-	/* with the change: the bounds on patterns, classes and live partitions */
-	set = idem_partition_set_fresh();
-	if (set->nscopes > IDEM_MAX_SCOPE_PATTERNS)
-		ereport(ERROR,
-				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-				 errmsg("too many scopes with a retention of their own: at most %d",
-						IDEM_MAX_SCOPE_PATTERNS),
-				 errhint("Give scopes a common prefix, and its retention to \"prefix*\".")));
-	if (set->nclasses > IDEM_MAX_RETENTION_CLASSES)
-		ereport(ERROR,
-				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-				 errmsg("too many distinct scope retentions: at most %d",
-						IDEM_MAX_RETENTION_CLASSES),
-				 errdetail("Each distinct retention has partitions of its own."),
-				 errhint("Give scopes one of the retentions already in use.")));
-	s = idem_read_settings(GetLatestSnapshot());
-	validate_with_classes(&s, set);
+	idem_validate_claim_classes();
 	if (retention > 0)
 		idem_claim_partitions_keep(pattern, retention * USECS_PER_SEC);
 	SPI_finish();

@@ -34,6 +34,7 @@
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
+#include "maintenance/actions.h"
 #include "maintenance/maintenance.h"
 #include "utils/builtins.h"
 #include "utils/snapmgr.h"
@@ -158,6 +159,22 @@ idem_configure_store(PG_FUNCTION_ARGS)
 					  " VALUES ($1, $2)"
 					  " ON CONFLICT (store) DO UPDATE SET retention = $2",
 					  2, types, values, SPI_OK_INSERT);
+	}
+
+	/*
+	 * The inbox's and the requests' dedup claims follow the store
+	 * (claims/classes.c): their classes must fit, and a raised retention
+	 * keeps the sealed partitions that hold them longer.
+	 */
+	if (store == IDEM_STORE_INBOX || store == IDEM_STORE_REQUESTS)
+	{
+		const char *prefix = store == IDEM_STORE_INBOX ?
+			IDEM_INBOX_SCOPE_PREFIX "*" : IDEM_REQUEST_SCOPE_PREFIX "*";
+
+		idem_validate_claim_classes();
+		if (!PG_ARGISNULL(1))
+			idem_claim_partitions_keep(prefix,
+									   idem_interval_seconds(PG_GETARG_INTERVAL_P(1)) * USECS_PER_SEC);
 	}
 	SPI_finish();
 	idem_unbecome_owner(&as);

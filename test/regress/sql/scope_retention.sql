@@ -138,6 +138,27 @@ SELECT count(*) AS doubled FROM (
     SELECT scope, key FROM idempotency.claims GROUP BY 1, 2 HAVING count(*) > 1) d;
 RESET idempotency.debug_clock_offset;
 
+-- the inbox's and the requests' dedup claims follow their store's retention
+-- (idem_configure_store), unless a scope row of their own says otherwise
+SELECT idem_configure_store('inbox', '4 days');
+SELECT idem_configure_store('requests', '4 days');
+SELECT idem_configure_scope('inbox:special', '7 days');
+SELECT idem_inbox_receive('src', 'm1', '{}') AS received,
+       idem_inbox_receive('special', 'm1', '{}') AS received_special,
+       (SELECT status FROM idem_request_begin('r1', 'api')) AS begun;
+SELECT scope, class FROM placed WHERE scope IN ('inbox:src', 'inbox:special', 'request:api')
+ ORDER BY scope;
+SELECT idem_inbox_receive('src', 'm1', '{}') AS received_again;
+-- raising a store's retention keeps its sealed dedup partitions longer too
+SET idempotency.debug_clock_offset = '2h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_configure_store('inbox', '7 days');
+SELECT keep_retention FROM placed WHERE scope = 'inbox:src';
+RESET idempotency.debug_clock_offset;
+SELECT idem_configure_store('inbox', NULL);
+SELECT idem_configure_store('requests', NULL);
+SELECT idem_configure_scope('inbox:special', NULL);
+
 -- a role without the unlimited operator capability may not configure
 CREATE ROLE scope_ret_operator;
 SELECT idem_grant('scope_ret_operator', 'operator', scopes => ARRAY['webhooks:*']);

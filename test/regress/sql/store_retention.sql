@@ -36,9 +36,13 @@ SELECT count(*) AS rows FROM idempotency.store_settings;
 SELECT idem_configure_store('inbox', '12 hours');
 SELECT idem_configure_store('requests', '399 days');
 \set VERBOSITY default
--- the bounds themselves are accepted, then removed again
+-- the bounds themselves are accepted, then removed again; but the requests'
+-- dedup claims follow their store, in a retention class of their own beside
+-- the default one, and all classes share the claims' bound of 400 live
+-- partitions: 398 days is refused on the claims' side (391 is the most, beside the default and the inbox's)
 SELECT idem_configure_store('inbox', '1 day');
 SELECT idem_configure_store('requests', '398 days');
+SELECT idem_configure_store('requests', '391 days');
 SELECT * FROM idempotency.current_store_settings();
 SELECT idem_configure_store('inbox', NULL);
 SELECT idem_configure_store('requests', NULL);
