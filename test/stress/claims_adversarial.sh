@@ -33,8 +33,14 @@
 #   - three "slow handlers" claim three keys in turn with sleeps of
 #     0.2-1 s between, then commit (or roll back): long transactions that
 #     hold claims and partition locks across boundaries and reshapes;
-#   - a sampler claims keys whose latest effect is younger than the smallest
-#     retention the run can configure (in a transaction it rolls back): each
+#   - keys of odd number are claimed in scope '<SCOPE>_long', even ones in
+#     '<SCOPE>' (so a key names its scope); a multi-key transaction claims
+#     the '<SCOPE>' keys first, then the '<SCOPE>_long' ones, each in byte
+#     order; after each idem_configure change the configure loop changes
+#     '<SCOPE>_long''s retention with idem_configure_scope: raised (15-40 s),
+#     lowered (3-5 s, below every default) or removed (NULL: the default);
+#   - a sampler claims keys whose latest effect is younger than its scope's
+#     smallest retention in force (in a transaction it rolls back): each
 #     such claim must return false unless the key was released.
 #
 # At the end it checks, and prints the offending keys of:
@@ -84,6 +90,7 @@ SEED=${IDEM_ADV_SEED:-$(( $(date +%s) % 1000000 ))}
 RET_FLOOR=6             # smallest retention the configure loop ever sets
 RET_CEIL=40             # largest; retention/partition_interval stays <= 40
 SCOPE=adv
+LSCOPE=${SCOPE}_long     # keys of odd number; its retention changes
 
 RANDOM=$SEED
 started=${EPOCHREALTIME/,/.}
@@ -111,6 +118,7 @@ running() { [[ ! -e $tmp/stop ]]; }
 init_ret=$(rand "$RET_FLOOR" 10)
 init_iv=1
 init_pm=$(rand 1 10)
+init_lret=$(rand 3 5)    # a short class from the start, so its partitions drop
 
 sql >/dev/null <<SQL
 SET client_min_messages = warning;
@@ -118,13 +126,15 @@ CREATE EXTENSION IF NOT EXISTS idempotency;
 SELECT idem_configure(retention => make_interval(secs => $init_ret),
                       partition_interval => make_interval(secs => $init_iv),
                       premake => $init_pm);
+SELECT idem_configure_scope('$LSCOPE', make_interval(secs => $init_lret));
 
--- every configuration in force during the run, from when it was made
+-- every configuration in force during the run, from when it was made;
+-- long_retention_s is $LSCOPE's own (NULL: it follows retention_s)
 CREATE TABLE adv_config (at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                         retention_s int NOT NULL, interval_s int NOT NULL,
+                         retention_s int NOT NULL, long_retention_s int, interval_s int NOT NULL,
                          premake int NOT NULL, args text NOT NULL, took_ms int);
-INSERT INTO adv_config (retention_s, interval_s, premake, args)
-VALUES ($init_ret, $init_iv, $init_pm, 'initial');
+INSERT INTO adv_config (retention_s, long_retention_s, interval_s, premake, args)
+VALUES ($init_ret, $init_lret, $init_iv, $init_pm, 'initial');
 
 -- committed claim calls (one row per distinct key of a batch)
 CREATE TABLE adv_attempts (key text NOT NULL, claimed boolean NOT NULL,
@@ -151,6 +161,9 @@ CREATE SEQUENCE adv_n_sp_rollbacks;
 
 CREATE FUNCTION adv_key(n int) RETURNS text LANGUAGE sql IMMUTABLE
     AS \$\$ SELECT 'k' || lpad(n::text, 7, '0') \$\$;
+-- the scope a key is claimed in: odd numbers in $LSCOPE
+CREATE FUNCTION adv_key_scope(k text) RETURNS text LANGUAGE sql IMMUTABLE
+    AS \$\$ SELECT CASE WHEN substr(k, 2)::int % 2 = 1 THEN '$LSCOPE' ELSE '$SCOPE' END \$\$;
 
 -- claim one key; apply and record the effect if the claim is true
 CREATE FUNCTION adv_claim(n int, via text) RETURNS int LANGUAGE plpgsql AS \$\$
@@ -162,7 +175,7 @@ DECLARE
 BEGIN
     s := pg_current_snapshot();
     t0 := clock_timestamp();
-    c := idem_claim(k, '$SCOPE');
+    c := idem_claim(k, adv_key_scope(k));
     INSERT INTO adv_attempts (key, claimed, txid, snap, t_before, via)
     VALUES (k, c, pg_current_xact_id(), s, t0, via);
     IF c THEN
@@ -178,6 +191,7 @@ CREATE FUNCTION adv_claim_many(n int, hot int, nkeys int) RETURNS int LANGUAGE p
 DECLARE
     keys text[] := '{}';
     got text[];
+    got_l text[];
     want text[];
     s pg_snapshot;
     t0 timestamptz;
@@ -193,8 +207,19 @@ BEGIN
     END LOOP;
     s := pg_current_snapshot();
     t0 := clock_timestamp();
+    -- one call per scope, '$SCOPE' first (the order every handler takes)
     SELECT coalesce(array_agg(x ORDER BY o), '{}') INTO got
-    FROM idem_claim_many(keys, '$SCOPE') WITH ORDINALITY AS t(x, o);
+    FROM idem_claim_many(ARRAY(SELECT k FROM unnest(keys) WITH ORDINALITY u(k, o)
+                               WHERE adv_key_scope(k) = '$SCOPE' ORDER BY o), '$SCOPE')
+         WITH ORDINALITY AS t(x, o);
+    SELECT coalesce(array_agg(x ORDER BY o), '{}') INTO got_l
+    FROM idem_claim_many(ARRAY(SELECT k FROM unnest(keys) WITH ORDINALITY u(k, o)
+                               WHERE adv_key_scope(k) = '$LSCOPE' ORDER BY o), '$LSCOPE')
+         WITH ORDINALITY AS t(x, o);
+    -- as one list in input order (each call returns its keys in input order)
+    SELECT coalesce(array_agg(k ORDER BY first), '{}') INTO got
+    FROM (SELECT k, min(o) AS first FROM unnest(keys) WITH ORDINALITY AS u(k, o)
+          WHERE k = ANY (got || got_l) GROUP BY k) d;
     -- the contract: the newly claimed keys, each once, in input order
     SELECT coalesce(array_agg(k ORDER BY first), '{}') INTO want
     FROM (SELECT k, min(o) AS first FROM unnest(keys) WITH ORDINALITY AS u(k, o)
@@ -223,7 +248,7 @@ DECLARE
 BEGIN
     s := pg_current_snapshot();
     t0 := clock_timestamp();
-    r := idem_release(k, '$SCOPE');
+    r := idem_release(k, adv_key_scope(k));
     IF r THEN
         INSERT INTO adv_releases (key, txid, snap, t_before) VALUES (k, pg_current_xact_id(), s, t0);
     END IF;
@@ -231,16 +256,17 @@ BEGIN
     RETURN r::int;
 END \$\$;
 
--- the smallest retention in force at any time in [t_from, t_to]: the
--- configuration made before t_from and every one made since (with a second
--- of slack, as a configuration takes effect when it commits)
-CREATE FUNCTION adv_min_retention(t_from timestamptz, t_to timestamptz) RETURNS int
+-- the smallest retention in force for key k's scope at any time in
+-- [t_from, t_to] (its scope's own, else the default): the configuration made
+-- before t_from and every one made since (with a second of slack, as a
+-- configuration takes effect when it commits)
+CREATE FUNCTION adv_min_retention(k text, t_from timestamptz, t_to timestamptz) RETURNS int
 LANGUAGE sql STABLE AS \$\$
-    SELECT min(r) FROM (
-        (SELECT retention_s AS r FROM adv_config WHERE at <= t_from - interval '1 s'
-         ORDER BY at DESC LIMIT 1)
+    SELECT min(CASE WHEN adv_key_scope(k) = '$LSCOPE' THEN coalesce(lr, r) ELSE r END) FROM (
+        (SELECT retention_s AS r, long_retention_s AS lr FROM adv_config
+         WHERE at <= t_from - interval '1 s' ORDER BY at DESC LIMIT 1)
         UNION ALL
-        SELECT retention_s FROM adv_config
+        SELECT retention_s, long_retention_s FROM adv_config
         WHERE at > t_from - interval '1 s' AND at <= t_to + interval '1 s') c
 \$\$;
 SQL
@@ -271,8 +297,15 @@ pgbench_end rb_pct "SELECT nextval('adv_n_rollbacks');"
 \else
 \set b random(:hot + 1, :nkeys)
 \endif
-\set k1 least(:a, :b)
-\set k2 greatest(:a, :b)
+\set sa (:a % 2) * 100000000 + :a
+\set sb (:b % 2) * 100000000 + :b
+\if :sa <= :sb
+\set k1 :a
+\set k2 :b
+\else
+\set k1 :b
+\set k2 :a
+\endif
 \set outer random(1, 100)
 \set spr random(1, 100)
 \set re random(1, 100)
@@ -339,8 +372,8 @@ maintain_loop() {
 
 # random reshapes every 2-5 s; every other one keeps retention short
 configure_loop() {
-    local ret=$init_ret iv=$init_iv pm=$init_pm n=0
-    local nret niv npm a_ret a_iv a_pm args out timing d
+    local ret=$init_ret iv=$init_iv pm=$init_pm n=0 lret=$init_lret m=0
+    local nret niv npm a_ret a_iv a_pm args out timing d nl a_l
     while running; do
         sleep_ms "$(rand 2000 5000)"
         running || break
@@ -382,8 +415,8 @@ BEGIN;
 $timing;
 SELECT clock_timestamp() AS c0 \gset
 SELECT idem_configure(retention => $a_ret, partition_interval => $a_iv, premake => $a_pm);
-INSERT INTO adv_config (retention_s, interval_s, premake, args, took_ms)
-VALUES ($nret, $niv, $npm, '$args',
+INSERT INTO adv_config (retention_s, long_retention_s, interval_s, premake, args, took_ms)
+VALUES ($nret, $([[ $lret == NULL ]] && echo NULL || echo "$lret"), $niv, $npm, '$args',
         round(extract(epoch FROM clock_timestamp() - :'c0'::timestamptz) * 1000));
 COMMIT;
 SQL
@@ -396,25 +429,57 @@ SQL
             echo "$(now_epoch) ERROR $args: $out" >>"$tmp/configure.log"
             echo "$(now_epoch) $args: $out" >>"$tmp/configure.err"
         fi
+        # then $LSCOPE's retention, in turn raised, lowered, removed
+        sleep_ms "$(rand 200 1000)"
+        running || break
+        m=$((m + 1))
+        case $((m % 3)) in
+            1) nl=$(rand 15 "$RET_CEIL") ;;
+            2) nl=$(rand 3 5) ;;
+            0) nl=NULL ;;
+        esac
+        a_l=NULL
+        [[ $nl == NULL ]] || a_l="make_interval(secs => $nl)"
+        args="scope $LSCOPE retention=$([[ $nl == NULL ]] && echo NULL || echo "${nl}s")"
+        if out=$(sql -v VERBOSITY=sqlstate 2>&1 <<SQL
+BEGIN;
+SELECT clock_timestamp() AS c0 \gset
+SELECT idem_configure_scope('$LSCOPE', $a_l);
+INSERT INTO adv_config (retention_s, long_retention_s, interval_s, premake, args, took_ms)
+VALUES ($ret, $([[ $nl == NULL ]] && echo NULL || echo "$nl"), $iv, $pm, '$args',
+        round(extract(epoch FROM clock_timestamp() - :'c0'::timestamptz) * 1000));
+COMMIT;
+SQL
+        ); then
+            lret=$nl
+            echo "$(now_epoch) ok $args" >>"$tmp/configure.log"
+        elif grep -q '22023' <<<"$out"; then
+            echo "$(now_epoch) refused (22023) $args: $out" >>"$tmp/configure.log"
+        else
+            echo "$(now_epoch) ERROR $args: $out" >>"$tmp/configure.log"
+            echo "$(now_epoch) $args: $out" >>"$tmp/configure.err"
+        fi
     done
 }
 
 # claims of keys whose latest effect is younger than the smallest retention
 # the run can configure must return false (rolled back, so it changes nothing)
 sampler_loop() {
-    local window out
-    window="$RET_FLOOR - $MARGIN"
+    local out
     while running; do
         sleep_ms "$(rand 200 600)"
         running || break
         if out=$(sql -F '|' 2>&1 <<SQL
 BEGIN;
-SELECT s.key, s.t_before, idem_claim(s.key, '$SCOPE')::int, clock_timestamp()
+SELECT s.key, s.t_before, idem_claim(s.key, adv_key_scope(s.key))::int, clock_timestamp()
 FROM (SELECT key, max(t_before) AS t_before FROM adv_effects
-      WHERE t_before > clock_timestamp() - make_interval(secs => $window)
-      GROUP BY key ORDER BY bool_or(via = 'slow') DESC, random() LIMIT 20) s
+      WHERE t_before > clock_timestamp() - make_interval(secs => $RET_CEIL)
+      GROUP BY key
+      HAVING clock_timestamp() - max(t_before)
+             < make_interval(secs => adv_min_retention(key, max(t_before), clock_timestamp()) - $MARGIN)
+      ORDER BY bool_or(via = 'slow') DESC, random() LIMIT 20) s
 WHERE NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = s.key AND r.t_after > s.t_before)
-ORDER BY s.key;
+ORDER BY adv_key_scope(s.key), s.key;
 ROLLBACK;
 SQL
         ); then
@@ -432,7 +497,9 @@ SQL
 slow_loop() {
     local ks k1 k2 k3 out end
     while running; do
-        ks=$( { rand 1 "$HOT"; rand 1 "$HOT"; rand 1 "$NKEYS"; } | sort -n | tr '\n' ' ')
+        # in (scope, key) order: even numbers ($SCOPE) first
+        ks=$( { rand 1 "$HOT"; rand 1 "$HOT"; rand 1 "$NKEYS"; } |
+              awk '{print $1 % 2, $1}' | sort -k1,1n -k2,2n | awk '{print $2}' | tr '\n' ' ')
         read -r k1 k2 k3 <<<"$ks"
         end=COMMIT
         (( RANDOM % 100 < ROLLBACK_PCT )) && end=ROLLBACK
@@ -484,13 +551,13 @@ sql -F '|' -c "SELECT extract(epoch FROM clock_timestamp()), action, object FROM
 sql >/dev/null <<SQL
 CREATE TABLE adv_young AS
 SELECT e.key, e.txid, e.t_before, clock_timestamp() AS checked_at,
-       adv_min_retention(e.t_before, clock_timestamp()) AS min_retention,
-       idem_claimed(e.key, '$SCOPE') AS claimed_at
+       adv_min_retention(e.key, e.t_before, clock_timestamp()) AS min_retention,
+       idem_claimed(e.key, adv_key_scope(e.key)) AS claimed_at
 FROM (SELECT DISTINCT ON (key) key, txid, t_before FROM adv_effects
       WHERE t_before > clock_timestamp() - make_interval(secs => $RET_CEIL)
       ORDER BY key, t_before DESC) e
 WHERE clock_timestamp() - e.t_before
-      < make_interval(secs => adv_min_retention(e.t_before, clock_timestamp()) - $MARGIN)
+      < make_interval(secs => adv_min_retention(e.key, e.t_before, clock_timestamp()) - $MARGIN)
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = e.key AND r.t_after > e.t_before);
 SQL
 parts_after=$(sql -c "SELECT coalesce(string_agg(state || ' ' || n, ', '), 'none')
@@ -535,12 +602,25 @@ rounds=$(grep -c '^round ' "$tmp/maintain.log" || true)
 count_action() { awk -F'|' -v a="$1" '$2 == a' "$tmp/maintain.log" | wc -l; }
 n_create=$(count_action create); n_seal=$(count_action seal); n_drop=$(count_action drop)
 n_extend=$(count_action extend); n_skip=$(count_action 'skip drop (in use)')
+# a partition of a class other than the default has its retention in its name
+n_drop_class=$(awk -F'|' '$2 == "drop" && $3 ~ /claims_r[0-9]+_/' "$tmp/maintain.log" | wc -l)
+n_drop_default=$((n_drop - n_drop_class))
+drops_per_class=$(awk -F'|' '$2 == "drop" {c = "default"; if (match($3, /claims_r[0-9]+_/)) c = substr($3, RSTART + 8, RLENGTH - 9) "s"; n[c]++}
+                  END {for (c in n) printf "%s%s %d", (s++ ? ", " : ""), c, n[c]}' "$tmp/maintain.log")
 max_lag=$(awk '/^round / {if (p) {d = $2 - p; if (d > m) m = d} p = $2} END {printf "%.1f", m}' "$tmp/maintain.log")
 n_cfg_ok=$(grep -c ' ok ' "$tmp/configure.log" || true)
 n_cfg_refused=$(grep -c ' refused ' "$tmp/configure.log" || true)
 IFS='|' read -r n_iv_changes ret_min ret_max <<<"$(sql -F '|' -c "
     SELECT count(*) FILTER (WHERE interval_s <> prev), min(retention_s), max(retention_s)
     FROM (SELECT interval_s, retention_s, lag(interval_s) OVER (ORDER BY at) AS prev FROM adv_config) c")"
+# scope changes, by the retention $LSCOPE had in force before (its own or the default)
+IFS='|' read -r n_sc n_sc_raised n_sc_lowered n_sc_removed lret_min lret_max <<<"$(sql -F '|' -c "
+    SELECT count(*), count(*) FILTER (WHERE lr IS NOT NULL AND lr > prev),
+           count(*) FILTER (WHERE lr IS NOT NULL AND lr < prev), count(*) FILTER (WHERE lr IS NULL),
+           min(lr), max(lr)
+    FROM (SELECT args, long_retention_s AS lr,
+                 lag(coalesce(long_retention_s, retention_s)) OVER (ORDER BY at) AS prev FROM adv_config) c
+    WHERE args LIKE 'scope %'")"
 n_samples=$(wc -l <"$tmp/sampler.log")
 n_slow=$(grep -c COMMIT "$tmp/slow.log" || true)
 
@@ -552,14 +632,20 @@ echo "slow handlers (three claims over 0.4-2.5 s): $n_slow committed, $(grep -c 
 echo "batches: $c_batches committed idem_claim_many calls over $c_batch_keys distinct keys"
 echo "releases: $rel_calls calls, $c_rel committed releases of an existing claim"
 echo "maintenance: $rounds rounds, max lag ${max_lag}s; partitions created $n_create, extended $n_extend, sealed $n_seal, dropped $n_drop, drops skipped (in use) $n_skip"
-echo "configure: $n_cfg_ok changes ($n_iv_changes of partition_interval), $n_cfg_refused refused with 22023; retention between ${ret_min}s and ${ret_max}s"
-sql -F ' ' -c "SELECT '  ' || to_char(at, 'HH24:MI:SS.MS'), 'retention=' || retention_s || 's', 'interval=' || interval_s || 's',
+echo "configure: $n_cfg_ok changes ($n_iv_changes of partition_interval, $n_sc of $LSCOPE's retention), $n_cfg_refused refused with 22023; retention between ${ret_min}s and ${ret_max}s"
+echo "scope $LSCOPE: $n_sc retention changes ($n_sc_raised raised, $n_sc_lowered lowered, $n_sc_removed removed), own retention between ${lret_min:-?}s and ${lret_max:-?}s (initial ${init_lret}s)"
+echo "drops per class: ${drops_per_class:-none} ($n_drop_default default, $n_drop_class of a scope's class)"
+sql -F ' ' -c "SELECT '  ' || to_char(at, 'HH24:MI:SS.MS'), 'retention=' || retention_s || 's',
+                      '$LSCOPE=' || coalesce(long_retention_s || 's', 'default'), 'interval=' || interval_s || 's',
                       'premake=' || premake, '(' || args || coalesce(', took ' || took_ms || ' ms', '') || ')'
                FROM adv_config ORDER BY at LIMIT 30"
 [[ $n_cfg_ok -lt 30 ]] || echo "  ... and $((n_cfg_ok - 29)) more"
 grep ' refused ' "$tmp/configure.log" | sed 's/^/  /' | head -n 5 || true
 echo "partitions after the last round: $parts_after"
-echo "sampler: $n_samples claims of keys younger than ${RET_FLOOR}s - ${MARGIN}s"
+echo "sampler: $n_samples claims of keys younger than their scope's retention in force - ${MARGIN}s"
+IFS='|' read -r n_young_s n_young_l <<<"$(sql -F '|' -c "
+    SELECT count(*) FILTER (WHERE adv_key_scope(key) = '$SCOPE'), count(*) FILTER (WHERE adv_key_scope(key) = '$LSCOPE')
+    FROM adv_young")"
 
 # ------------------------------------------------------------------ checks
 # show HEADER SQL: run a query listing violations; print them (at most 20)
@@ -585,11 +671,11 @@ WITH e AS (
 SELECT key, 'first txid ' || p_txid || ' (' || p_via || ') at ' || to_char(p_before, 'HH24:MI:SS.MS'),
        'second txid ' || txid || ' (' || via || ') at ' || to_char(t_after, 'HH24:MI:SS.MS'),
        'gap <= ' || round(extract(epoch FROM t_after - p_before), 3) || 's',
-       'min retention ' || adv_min_retention(p_before, t_after) || 's'
+       'min retention ' || adv_min_retention(key, p_before, t_after) || 's'
 FROM e
 WHERE p_txid IS NOT NULL
   AND t_after - p_before < make_interval(secs => $RET_CEIL)
-  AND t_after - p_before < make_interval(secs => adv_min_retention(p_before, t_after) - $MARGIN)
+  AND t_after - p_before < make_interval(secs => adv_min_retention(key, p_before, t_after) - $MARGIN)
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = e.key
                   AND r.t_after > e.p_before AND r.t_after < e.t_after)
 ORDER BY p_before"
@@ -645,7 +731,8 @@ WHERE NOT EXISTS (SELECT FROM adv_attempts a WHERE a.txid = e.txid AND a.key = e
 n_mismatch=$((n_mismatch + nviol))
 show "keys with more claim rows in idempotency.claims than effects" "
 SELECT c.key, c.n || ' claim rows', coalesce(e.n, 0) || ' effects'
-FROM (SELECT key COLLATE \"C\" AS key, count(*) AS n FROM idempotency.claims WHERE scope = '$SCOPE' GROUP BY 1) c
+FROM (SELECT key COLLATE \"C\" AS key, count(*) AS n FROM idempotency.claims
+      WHERE scope IN ('$SCOPE', '$LSCOPE') AND scope = adv_key_scope(key) GROUP BY 1) c
 LEFT JOIN (SELECT key COLLATE \"C\" AS key, count(*) AS n FROM adv_effects GROUP BY 1) e USING (key)
 WHERE c.n > coalesce(e.n, 0)"
 n_mismatch=$((n_mismatch + nviol))
@@ -660,7 +747,7 @@ SELECT key, 'effect txid ' || txid || ' at ' || to_char(t_before, 'HH24:MI:SS.MS
        'min retention since ' || min_retention || 's'
 FROM adv_young WHERE claimed_at IS NULL ORDER BY t_before"
 n_dropped=$nviol
-echo "retention check: $n_young keys with effects younger than the retention in force since them (oldest ${young_window}s) checked with idem_claimed()"
+echo "retention check: $n_young keys ($n_young_s of $SCOPE, $n_young_l of $LSCOPE) with effects younger than the retention in force since them (oldest ${young_window}s) checked with idem_claimed()"
 
 # sampler claims that returned true, unless a release committed in between
 sql -c "CREATE TABLE adv_samples (key text, t_before timestamptz, claimed int, at timestamptz)" >/dev/null
@@ -668,8 +755,10 @@ if [[ -s $tmp/sampler.log ]]; then
     sql -c "\\copy adv_samples FROM '$tmp/sampler.log' WITH (DELIMITER '|')" >/dev/null
 fi
 show "sampler: claims of young, unreleased keys that returned true" "
-SELECT s.key, 'effect at ' || to_char(s.t_before, 'HH24:MI:SS.MS'), 'claimed again at ' || to_char(s.at, 'HH24:MI:SS.MS')
+SELECT s.key, 'effect at ' || to_char(s.t_before, 'HH24:MI:SS.MS'), 'claimed again at ' || to_char(s.at, 'HH24:MI:SS.MS'),
+       'min retention since ' || adv_min_retention(s.key, s.t_before, s.at) || 's'
 FROM adv_samples s WHERE s.claimed = 1
+  AND s.at - s.t_before < make_interval(secs => adv_min_retention(s.key, s.t_before, s.at) - $MARGIN)
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = s.key AND r.t_after > s.t_before AND r.t_before < s.at)
 ORDER BY s.at"
 n_dropped=$((n_dropped + nviol))
@@ -691,10 +780,17 @@ need "reprocessing effects" "$c_reproc" 1
 need "maintenance rounds" "$rounds" 3
 need "partition seals" "$n_seal" 1
 need "partition drops" "$n_drop" 1
+need "partition drops of the default class" "$n_drop_default" 1
+need "partition drops of a scope's own class" "$n_drop_class" 1
+need "scope retention raised" "$n_sc_raised" 1
+need "scope retention lowered" "$n_sc_lowered" 1
+need "scope retention removed" "$n_sc_removed" 1
 need "configure changes" "$n_cfg_ok" 2
 need "partition_interval changes" "$n_iv_changes" 1
 need "sampler claims" "$n_samples" 1
 need "keys checked for retention at the end" "$n_young" 1
+need "keys of $SCOPE checked for retention at the end" "$n_young_s" 1
+need "keys of $LSCOPE checked for retention at the end" "$n_young_l" 1
 
 need "slow handlers" "$n_slow" 1
 
