@@ -6,9 +6,9 @@
 # of one shape (1-hour partitions, 2 days, premake 1):
 #   one     the default retention class alone;
 #   three   two more classes, for other scopes (idem_configure_scope of
-#           'webhooks:*' 14 days and 'internal' 3 hours): a claim of the
+#           'hooks-*' 14 days and 'internal' 3 hours): a claim of the
 #           default scope also probes each class's current partition;
-#   scope   the same three classes, claims of scope 'webhooks:stripe' (its
+#   scope   the same three classes, claims of scope 'hooks-stripe' (its
 #           own class).
 # Interleaved rounds; prints each against the baseline, and three against one.
 #
@@ -29,7 +29,7 @@ for db in idem_bench_classes; do
 done
 PGDATABASE=idem_bench_classes bench_setup <<SQL
 $shape
-SELECT idem_configure_scope('webhooks:*', '14 days');
+SELECT idem_configure_scope('hooks-*', '14 days');
 SELECT idem_configure_scope('internal', '3 hours');
 SQL
 PGDATABASE=idem_bench_classes bench_claims_setup
