@@ -52,6 +52,16 @@ class_ascending(const void *a, const void *b)
 	return x < y ? -1 : (x > y ? 1 : 0);
 }
 
+/* Add a retention to the set's classes unless it is one already (the caller made room). */
+static void
+add_class(IdemPartitionSet *set, int64 retention)
+{
+	for (int i = 0; i < set->nclasses; i++)
+		if (set->classes[i] == retention)
+			return;
+	set->classes[set->nclasses++] = retention;
+}
+
 /*
  * Read idempotency.scope_retention into set (allocating in the current
  * memory context): its patterns, and its distinct retentions, ascending.
@@ -74,7 +84,6 @@ idem_scope_retentions_read(Relation rel, Snapshot snap, IdemPartitionSet *set)
 		text	   *scope = DatumGetTextPP(heap_getattr(tup, Anum_scope_retention_scope, desc, &isnull));
 		Interval   *iv = DatumGetIntervalP(heap_getattr(tup, Anum_scope_retention_retention, desc, &isnull));
 		IdemScopeRetention *r;
-		bool		known = false;
 
 		if (set->nscopes == cap)
 		{
@@ -91,10 +100,7 @@ idem_scope_retentions_read(Relation rel, Snapshot snap, IdemPartitionSet *set)
 		if (r->prefix)
 			r->scope[--r->len] = '\0';
 		r->retention = idem_interval_seconds(iv) * USECS_PER_SEC;
-		for (int i = 0; i < set->nclasses && !known; i++)
-			known = set->classes[i] == r->retention;
-		if (!known)
-			set->classes[set->nclasses++] = r->retention;
+		add_class(set, r->retention);
 	}
 	table_endscan(scan);
 	if (set->nclasses > 1)
@@ -112,7 +118,6 @@ idem_scope_retention_add(IdemPartitionSet *set, const char *prefix, int64 retent
 {
 	int			len = strlen(prefix);
 	IdemScopeRetention *r;
-	bool		known = false;
 
 	for (int i = 0; i < set->nscopes; i++)
 		if (set->scopes[i].prefix && set->scopes[i].len == len &&
@@ -127,13 +132,8 @@ idem_scope_retention_add(IdemPartitionSet *set, const char *prefix, int64 retent
 	r->len = len;
 	r->prefix = true;
 	r->retention = retention;
-	for (int i = 0; i < set->nclasses && !known; i++)
-		known = set->classes[i] == retention;
-	if (!known)
-	{
-		set->classes[set->nclasses++] = retention;
-		qsort(set->classes, set->nclasses, sizeof(int64), class_ascending);
-	}
+	add_class(set, retention);
+	qsort(set->classes, set->nclasses, sizeof(int64), class_ascending);
 }
 
 /*

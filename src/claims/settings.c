@@ -3,8 +3,10 @@
  * settings.c
  *	  The claims store's settings (retention, partition_interval, premake):
  *	  read from idempotency.settings, the defaults where it has no row, and
- *	  the rule of which shapes the claim path can serve.  The outbox, inbox
- *	  and request stores follow the same settings.
+ *	  the rule of which shapes the claim path can serve, over every retention
+ *	  class (classes.c).  The outbox, inbox and request stores share the
+ *	  partition interval and premake; their retention is their own if
+ *	  idem_configure_store() gave one (common/store_retention.c).
  *
  * Locking rules: reads idempotency.settings with AccessShareLock under the
  * caller's snapshot; writing it is idem_configure()'s (maintenance.c).

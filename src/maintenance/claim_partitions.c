@@ -284,8 +284,7 @@ keep_longer(IdemPartition *p, int64 retention)
 	Oid			types[2] = {OIDOID, INT8OID};
 	Datum		values[2] = {ObjectIdGetDatum(p->relid), Int64GetDatum(retention / USECS_PER_SEC)};
 
-	if (retention <= (p->class_retention > 0 ? p->class_retention : 0) ||
-		retention <= p->keep_retention)
+	if (retention <= p->class_retention || retention <= p->keep_retention)
 		return;
 	idem_spi_exec("UPDATE idempotency.partition_registry"
 				  " SET keep_retention = pg_catalog.make_interval(secs => $2::pg_catalog.float8)"

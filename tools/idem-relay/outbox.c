@@ -441,6 +441,16 @@ op_done(relay_db *db, const pending_op *op, PGresult *res)
 {
 	int			ok = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1;
 
+	/* the function each statement calls (a release is an extend of 1 µs) */
+	static const char *const calls[] = {
+		[OP_CLAIM] = "idem_outbox_claim", [OP_ACK] = "idem_outbox_ack",
+		[OP_NACK] = "idem_outbox_nack", [OP_EXTEND] = "idem_outbox_extend",
+		[OP_RELEASE] = "idem_outbox_extend"
+	};
+
+	if (!ok && op->kind != OP_CLAIM)
+		log_msg(LOG_ERROR, "relay call failed", "call", calls[op->kind],
+				"error", PQresultErrorMessage(res), NULL);
 	switch (op->kind)
 	{
 		case OP_CLAIM:
@@ -468,10 +478,7 @@ op_done(relay_db *db, const pending_op *op, PGresult *res)
 				break;
 			}
 		case OP_ACK:
-			if (!ok)
-				log_msg(LOG_ERROR, "relay call failed", "call", "idem_outbox_ack",
-						"error", PQresultErrorMessage(res), NULL);
-			else
+			if (ok)
 			{
 				int			marked = atoi(PQgetvalue(res, 0, 0));
 
@@ -489,10 +496,7 @@ op_done(relay_db *db, const pending_op *op, PGresult *res)
 			}
 			break;
 		case OP_NACK:
-			if (!ok)
-				log_msg(LOG_ERROR, "relay call failed", "call", "idem_outbox_nack",
-						"error", PQresultErrorMessage(res), NULL);
-			else
+			if (ok)
 			{
 				const char *id = op->event,
 						   *type = id + strlen(id) + 1,
@@ -510,9 +514,6 @@ op_done(relay_db *db, const pending_op *op, PGresult *res)
 			break;
 		case OP_EXTEND:
 		case OP_RELEASE:
-			if (!ok)
-				log_msg(LOG_ERROR, "relay call failed", "call", "idem_outbox_extend",
-						"error", PQresultErrorMessage(res), NULL);
 			if (op->kind == OP_EXTEND)
 				op->b->covered = ok ? atoi(PQgetvalue(res, 0, 0)) : -1;
 			break;
