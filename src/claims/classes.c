@@ -178,8 +178,9 @@ idem_partition_retention(const IdemPartitionSet *set, const IdemPartition *p)
 }
 
 /*
- * Error out unless a pattern is a scope or a prefix ending in one '*'.  The
- * table's CHECK says the same; this says it with a hint, before any write.
+ * Error out unless a pattern is a scope or a prefix ending in one '*', of at
+ * most IDEM_MAX_SCOPE_BYTES before the '*'.  The table's CHECK says the
+ * shape too; this says it with a hint, before any write.
  */
 void
 idem_scope_pattern_check(const char *pattern)
@@ -201,4 +202,9 @@ idem_scope_pattern_check(const char *pattern)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("scope pattern \"*\" would cover every scope"),
 				 errhint("Set the retention of every scope with idem_configure().")));
+	/* a prefix is as long as a scope may be, and its '*' comes on top */
+	if (len - (star != NULL) > IDEM_MAX_SCOPE_BYTES)
+		ereport(ERROR,
+				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+				 errmsg("scope must be at most %d bytes", IDEM_MAX_SCOPE_BYTES)));
 }

@@ -279,10 +279,6 @@ idem_configure_scope(PG_FUNCTION_ARGS)
 	if (PG_ARGISNULL(0))
 		idem_null_argument("scope");
 	scope = PG_GETARG_TEXT_PP(0);
-	if (VARSIZE_ANY_EXHDR(scope) > IDEM_MAX_SCOPE_BYTES + 1)	/* a prefix may end in '*' */
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("scope must be at most %d bytes", IDEM_MAX_SCOPE_BYTES)));
 	pattern = text_to_cstring(scope);
 	idem_scope_pattern_check(pattern);
 	if (!PG_ARGISNULL(1))

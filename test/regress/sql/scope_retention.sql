@@ -26,6 +26,9 @@ SELECT pg_temp.try($$SELECT idem_configure_scope('*', '1 day')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope('a*b', '1 day')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope('a**', '1 day')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope(repeat('x', 65), '1 day')$$);
+-- a scope is at most 63 bytes; only a prefix may have a 64th, its '*'
+SELECT pg_temp.try($$SELECT idem_configure_scope(repeat('x', 64), '1 day')$$);
+SELECT pg_temp.try($$SELECT idem_configure_scope(repeat('x', 64) || '*', '1 day')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope('s', '0 seconds')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope('s', '-1 day')$$);
 SELECT pg_temp.try($$SELECT idem_configure_scope('s', '1000 years')$$);
@@ -47,6 +50,10 @@ SELECT idem_configure_scope('webhooks:*', '7 days');
 SELECT idem_configure_scope('webhooks:internal', '3 hours');
 SELECT idem_configure_scope('fast*', '3 hours');
 SELECT idem_configure_scope('webhooks:stripe:*', '7 days');
+-- the longest scope and the longest prefix fit
+SELECT idem_configure_scope(repeat('y', 63), '3 hours'), idem_configure_scope(repeat('y', 63) || '*', '3 hours');
+SELECT length(scope) FROM idempotency.scope_retention WHERE scope LIKE 'yyy%' ORDER BY 1;
+SELECT idem_configure_scope(repeat('y', 63), NULL), idem_configure_scope(repeat('y', 63) || '*', NULL);
 SELECT scope, retention FROM idempotency.scope_retention ORDER BY scope;
 -- each class got its current partition and premake at once
 SELECT * FROM open_classes;
