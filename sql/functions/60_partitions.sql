@@ -10,9 +10,10 @@
 -- idempotency.consumers as live and not dropped until they end), sealed
 -- (takes no more claims; checked through its Bloom filter), expired
 -- (sealed, and its newest claim -- or its upper bound, if later -- is older
--- than its retention: its class's, or keep_retention if longer -- or it is
--- empty; dropped by the next round that
--- can lock it).
+-- than its retention -- or it is empty; dropped by the next round that
+-- can lock it).  A claims partition's retention is its class's, or longer
+-- if it holds claims of scopes kept longer: keep_retention, and
+-- idem_configure()'s if keep_default (scopes that follow it now).
 --
 -- Outbox partitions (store 'outbox'): future, current, sealed (its range
 -- has passed; kept for the retention), pinned (past its retention, but it
@@ -23,7 +24,7 @@
 -- range has passed; kept for the retention), expired.
 --
 -- Each store's partitions are kept for that store's retention
--- (idempotency.current_store_settings()).
+-- (idempotency.current_store_settings()), shown in the retention column.
 --
 -- Inbox partitions (store 'inbox'): the same states; pinned means it holds
 -- a message that is not done (pending, leased, waiting or dead).
@@ -39,9 +40,7 @@ SELECT r.relid AS partition,
        CASE
            WHEN NOT r.sealed AND r.held_by IS NOT NULL THEN 'held'
            WHEN r.sealed AND (r.nkeys = 0
-                 OR greatest(r.upper, r.max_claimed_at)
-                    <= now() - greatest(coalesce(r.retention, s.retention),
-                                        coalesce(r.keep_retention, interval '0'))) THEN 'expired'
+                 OR greatest(r.upper, r.max_claimed_at) <= now() - k.retention) THEN 'expired'
            WHEN r.sealed THEN 'sealed'
            WHEN r.closed THEN 'closing'
            WHEN r.lower > now() THEN 'future'
@@ -54,9 +53,13 @@ SELECT r.relid AS partition,
        r.max_claimed_at AS newest_claim,
        'claims'::text AS store,
        h.xids AS held_by_xids,
-       h.pids AS held_by_pids
+       h.pids AS held_by_pids,
+       k.retention
 FROM idempotency.partition_registry r
 CROSS JOIN idempotency.current_settings() s
+CROSS JOIN LATERAL (
+    SELECT greatest(coalesce(r.retention, s.retention), coalesce(r.keep_retention, interval '0'),
+                    CASE WHEN r.keep_default THEN s.retention ELSE interval '0' END) AS retention) k
 -- a held partition's holders that are still open, and their backends
 -- (none for a prepared transaction); pg_locks is read only for those
 LEFT JOIN LATERAL (
@@ -80,7 +83,7 @@ SELECT o.relid, o.lower, o.upper,
        false,
        pg_catalog.pg_total_relation_size(o.relid),
        NULL, NULL,
-       'outbox', NULL, NULL
+       'outbox', NULL, NULL, s.retention
 FROM idempotency.outbox_partitions o
 CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
             WHERE c.store = 'outbox') s
@@ -95,7 +98,7 @@ SELECT q.relid, q.lower, q.upper,
        false,
        pg_catalog.pg_total_relation_size(q.relid),
        NULL, NULL,
-       'requests', NULL, NULL
+       'requests', NULL, NULL, s.retention
 FROM idempotency.request_partitions q
 CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
             WHERE c.store = 'requests') s
@@ -111,7 +114,7 @@ SELECT i.relid, i.lower, i.upper,
        false,
        pg_catalog.pg_total_relation_size(i.relid),
        NULL, NULL,
-       'inbox', NULL, NULL
+       'inbox', NULL, NULL, s.retention
 FROM idempotency.inbox_partitions i
 CROSS JOIN (SELECT c.retention FROM idempotency.current_store_settings() c
             WHERE c.store = 'inbox') s;

@@ -40,6 +40,8 @@ CREATE TABLE idempotency.partition_registry (
                                                     -- NULL: idem_configure()'s retention
     keep_retention interval,                        -- kept at least this long after its newest claim:
                                                     -- it holds claims of scopes kept longer than its class
+    keep_default boolean NOT NULL DEFAULT false,    -- kept at least idem_configure()'s retention too:
+                                                    -- it holds claims of scopes that follow it now
     CHECK (lower < upper)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.partition_registry', '');

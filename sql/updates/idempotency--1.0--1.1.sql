@@ -92,7 +92,8 @@ UPDATE idempotency.partition_registry SET closed = true WHERE sealed;
 -- partition registry: retention classes (retention per scope)
 ALTER TABLE idempotency.partition_registry
     ADD COLUMN retention interval,
-    ADD COLUMN keep_retention interval;
+    ADD COLUMN keep_retention interval,
+    ADD COLUMN keep_default boolean NOT NULL DEFAULT false;
 
 -- Partitions sealed by 1.0 recorded neither: count them now, so that they
 -- are kept for the retention after their newest claim, as 1.1 seals do.

@@ -165,15 +165,48 @@ idem_scope_class(const IdemPartitionSet *set, const char *scope, int len)
 }
 
 /*
+ * The retention class the scopes a pattern names are in, in microseconds
+ * (0: the default class): a scope's as idem_scope_class() finds it; for a
+ * prefix, the class of its longest prefix pattern no longer than it, which
+ * every scope it covers falls into unless a longer pattern covers that
+ * scope (whose claims were never the prefix's).
+ */
+int64
+idem_pattern_class(const IdemPartitionSet *set, const char *pattern)
+{
+	int			len = strlen(pattern);
+	int64		best = 0;
+	int			best_len = -1;
+
+	if (len == 0 || pattern[len - 1] != '*')
+		return idem_scope_class(set, pattern, len);
+	len--;
+	for (int i = 0; i < set->nscopes; i++)
+	{
+		const IdemScopeRetention *r = &set->scopes[i];
+
+		if (r->prefix && r->len > best_len && r->len <= len &&
+			memcmp(r->scope, pattern, r->len) == 0)
+		{
+			best = r->retention;
+			best_len = r->len;
+		}
+	}
+	return best;
+}
+
+/*
  * How long after its newest claim (or its upper bound) a partition is kept,
  * in microseconds: its class's retention, or longer if it holds claims of
- * scopes kept longer.
+ * scopes kept longer (keep_retention, and the default's if they follow it).
  */
 int64
 idem_partition_retention(const IdemPartitionSet *set, const IdemPartition *p)
 {
 	int64		r = p->class_retention > 0 ? p->class_retention : set->retention;
 
+	if (p->keep_default)
+		r = Max(r, set->retention);
 	return Max(r, p->keep_retention);
 }
 

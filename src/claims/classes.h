@@ -35,6 +35,7 @@ extern void idem_scope_retentions_read(Relation rel, Snapshot snap, IdemPartitio
 extern void idem_scope_retention_add(IdemPartitionSet *set, const char *prefix,
 									 int64 retention);
 extern int64 idem_scope_class(const IdemPartitionSet *set, const char *scope, int len);
+extern int64 idem_pattern_class(const IdemPartitionSet *set, const char *pattern);
 extern int64 idem_partition_retention(const IdemPartitionSet *set, const IdemPartition *p);
 extern void idem_scope_pattern_check(const char *pattern);
 

@@ -168,6 +168,11 @@ read_registry_row(Relation rel, HeapTuple tup, IdemPartition *p)
 		if (!isnull)
 			p->keep_retention = idem_interval_seconds(DatumGetIntervalP(d)) * USECS_PER_SEC;
 	}
+	if (desc->natts >= Anum_registry_keep_default)
+	{
+		d = heap_getattr(tup, Anum_registry_keep_default, desc, &isnull);
+		p->keep_default = !isnull && DatumGetBool(d);
+	}
 }
 
 /* Read the registry into a new cache. */

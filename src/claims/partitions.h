@@ -37,6 +37,8 @@ typedef struct IdemPartition
 									 * the default (set->retention) */
 	int64		keep_retention; /* kept at least this long (microseconds):
 								 * it holds claims of scopes kept longer */
+	bool		keep_default;	/* kept at least set->retention too: it
+								 * holds claims of scopes that follow it */
 	bool		has_filter;		/* the registry holds a Bloom filter */
 	TransactionId filter_xmin;	/* names that filter (its registry row) */
 	Oid			filter_source;	/* InvalidOid: the filter is in the registry;

@@ -42,6 +42,7 @@ enum Anum_registry
 	Anum_registry_held_by,
 	Anum_registry_retention,
 	Anum_registry_keep_retention,
+	Anum_registry_keep_default,
 	_Anum_registry_max
 };
 #define Natts_registry (_Anum_registry_max - 1)

@@ -57,7 +57,7 @@ extern TimestampTz idem_next_boundary(TimestampTz now, int64 interval_secs);
 extern bool idem_round_caller_trusted(void);
 
 /* the steps */
-extern void idem_claim_partitions_keep(const char *pattern, int64 retention);
+extern void idem_claim_partitions_keep(const char *pattern, bool removed, int64 retention);
 extern void idem_claim_partitions_maintain(MaintainReport *rep, const IdemSettings *s,
 										   TimestampTz now, bool reshape);
 extern void idem_stores_maintain(MaintainReport *rep, const IdemSettings *s, TimestampTz now);

@@ -221,10 +221,11 @@ copy_partition_set(IdemPartitionSet *set)
  * transaction: once sealed, a partition's claims are counted there and no
  * longer live.  Counted by a heap scan (scopes.c), not a query over the
  * partition.  Returns the longest retention of its scopes' classes
- * (microseconds; 0 if all are the default's), which the partition is kept for.
+ * (microseconds; 0 if all are the default's), which the partition is kept
+ * for, and sets *follows_default if one of them is in the default class.
  */
 static int64
-fold_scopes(IdemPartitionSet *set, Relation rel, Snapshot snap)
+fold_scopes(IdemPartitionSet *set, Relation rel, Snapshot snap, bool *follows_default)
 {
 	HTAB	   *counts = idem_scope_counts_create();
 	HASH_SEQ_STATUS seq;
@@ -239,6 +240,7 @@ fold_scopes(IdemPartitionSet *set, Relation rel, Snapshot snap)
 	Datum		values[4];
 	int64		longest = 0;
 
+	*follows_default = false;
 	idem_scope_counts_add(counts, rel, snap);
 	n = hash_get_num_entries(counts);
 	if (n == 0)
@@ -250,11 +252,15 @@ fold_scopes(IdemPartitionSet *set, Relation rel, Snapshot snap)
 	hash_seq_init(&seq, counts);
 	while ((c = hash_seq_search(&seq)) != NULL)
 	{
+		int64		class = idem_scope_class(set, c->scope, strlen(c->scope));
+
 		scopes[i] = CStringGetTextDatum(c->scope);
 		firsts[i] = TimestampTzGetDatum(c->first_claim_at);
 		lasts[i] = TimestampTzGetDatum(c->last_claim_at);
 		claims[i] = Int64GetDatum(c->claims);
-		longest = Max(longest, idem_scope_class(set, c->scope, strlen(c->scope)));
+		longest = Max(longest, class);
+		if (class == 0)
+			*follows_default = true;
 		i++;
 	}
 	values[0] = idem_build_array(scopes, NULL, n, TEXTOID);
@@ -290,6 +296,34 @@ keep_longer(IdemPartition *p, int64 retention)
 				  " SET keep_retention = pg_catalog.make_interval(secs => $2::pg_catalog.float8)"
 				  " WHERE relid = $1", 2, types, values, SPI_OK_UPDATE);
 	p->keep_retention = retention;
+}
+
+/*
+ * Keep a partition of a class of its own at least idem_configure()'s
+ * retention, as that changes: it holds claims of scopes that follow it now
+ * (claimed before their own retention was removed, or by a backend that had
+ * not seen it set).
+ */
+static void
+keep_default(IdemPartition *p)
+{
+	Oid			types[1] = {OIDOID};
+	Datum		values[1] = {ObjectIdGetDatum(p->relid)};
+
+	if (p->class_retention == 0 || p->keep_default)
+		return;
+	idem_spi_exec("UPDATE idempotency.partition_registry SET keep_default = true"
+				  " WHERE relid = $1", 1, types, values, SPI_OK_UPDATE);
+	p->keep_default = true;
+}
+
+/* Keep a partition as long as the scopes fold_scopes() found there need. */
+static void
+keep_for_scopes(IdemPartition *p, int64 longest, bool follows_default)
+{
+	keep_longer(p, longest);
+	if (follows_default)
+		keep_default(p);
 }
 
 /* The transactions a seal found claims of, as the registry stores them. */
@@ -348,6 +382,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	bool		v10;
 	bool		held;
 	int64		longest = 0;
+	bool		follows_default = false;
 
 	/* a database still at version 1.0 has no room for what the seal found */
 	v10 = get_attnum(r->set->registry_relid, "max_claimed_at") == InvalidAttrNumber;
@@ -358,7 +393,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 	bloom = idem_filter_build(rel, snap, &info);
 	held = info.nholders > 0;
 	if (!v10 && !held)
-		longest = fold_scopes(r->set, rel, snap);	/* 1.0 has no scope history either */
+		longest = fold_scopes(r->set, rel, snap, &follows_default);	/* 1.0 has no scope history */
 	table_close(rel, NoLock);
 	UnregisterSnapshot(snap);
 
@@ -382,7 +417,7 @@ seal_one(Round *r, IdemPartition *p, const char *name)
 							  " WHERE relid = $1",
 							  v10 ? 2 : 5, types, values, nulls, false, 0) != SPI_OK_UPDATE)
 		elog(ERROR, "could not update idempotency.partition_registry");
-	keep_longer(p, longest);
+	keep_for_scopes(p, longest, follows_default);
 	/* its keys join a group in the same transaction (groups.c) */
 	if (!v10 && bloom != NULL)
 		idem_groups_add(p->relid, info.hashes, info.nkeys);
@@ -481,11 +516,12 @@ finish_held(Round *r, IdemPartition *p, const char *name)
 	{
 		Snapshot	snap = RegisterSnapshot(GetTransactionSnapshot());
 		Relation	rel = table_open(p->relid, NoLock);
-		int64		longest = fold_scopes(r->set, rel, snap);
+		bool		follows_default;
+		int64		longest = fold_scopes(r->set, rel, snap, &follows_default);
 
 		table_close(rel, NoLock);
 		UnregisterSnapshot(snap);
-		keep_longer(p, longest);
+		keep_for_scopes(p, longest, follows_default);
 	}
 	idem_report_action(r->rep, "seal", name);
 	return true;
@@ -725,32 +761,44 @@ holds_scope(const char *name, const char *pattern)
 }
 
 /*
- * idem_configure_scope() raised a scope's retention (microseconds): keep
- * every sealed partition that holds its claims at least that long, unless
- * it has expired already.  Partitions not sealed yet get it when they are
- * (fold_scopes()), and held ones when they are sealed for good
- * (finish_held()), both under the maintenance lock, which the caller
- * holds, acting as the extension's owner, connected to SPI.  A partition
- * that is not ours is kept longer without being read.
+ * The retention of a pattern's scopes changed: keep every sealed partition
+ * that holds their claims at least as long as they are kept now, unless it
+ * has expired already -- the pattern's retention (microseconds) when it was
+ * set, or, when it was removed, that of the class the scopes fall back to
+ * (0: the default class, whose retention may change later).  Partitions not
+ * sealed yet get it when they are (fold_scopes()), and held ones when they
+ * are sealed for good (finish_held()), both under the maintenance lock,
+ * which the caller holds, acting as the extension's owner, connected to SPI,
+ * after the write to the patterns.  A partition that is not ours is kept
+ * longer without being read.
  */
 void
-idem_claim_partitions_keep(const char *pattern, int64 retention)
+idem_claim_partitions_keep(const char *pattern, bool removed, int64 retention)
 {
-	IdemPartitionSet *set = copy_partition_set(idem_partition_set_fresh());
+	IdemPartitionSet *fresh = idem_partition_set_fresh();
+	IdemPartitionSet *set;
 	TimestampTz now = idem_now();
 
+	if (removed)
+		retention = idem_pattern_class(fresh, pattern);	/* a copy has no patterns */
+	set = copy_partition_set(fresh);
 	for (int i = 0; i < set->nparts; i++)
 	{
 		IdemPartition *p = &set->parts[i];
 		char	   *name;
 
 		if (!p->sealed || p->held || idem_partition_expired(set, p, now) ||
-			idem_partition_retention(set, p) >= retention ||
+			(retention > 0 ? idem_partition_retention(set, p) >= retention :
+			 p->class_retention == 0 || p->keep_default) ||
 			(name = partition_name(p->relid)) == NULL)
 			continue;
-		if (idem_relation_distrust(p->relid, set->claims_relid) != NULL ||
-			holds_scope(name, pattern))
+		if (idem_relation_distrust(p->relid, set->claims_relid) == NULL &&
+			!holds_scope(name, pattern))
+			continue;
+		if (retention > 0)
 			keep_longer(p, retention);
+		else
+			keep_default(p);
 	}
 }
 
@@ -801,7 +849,10 @@ drop_expired(Round *r, IdemPartitionSet *sealed_before)
 			was_sealed = sealed_before->parts[j].relid == p->relid &&
 				sealed_before->parts[j].sealed && !sealed_before->parts[j].held;
 		if (was_sealed && !p->held && idem_partition_expired(r->set, p, r->now))
+		{
+			idem_debug_wait("claims_drop_checked");
 			run_action(r, drop_one, p, "drop");
+		}
 	}
 }
 

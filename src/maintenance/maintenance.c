@@ -311,8 +311,7 @@ idem_configure_scope(PG_FUNCTION_ARGS)
 					  2, types, values, SPI_OK_INSERT);
 
 	idem_validate_claim_classes();
-	if (retention > 0)
-		idem_claim_partitions_keep(pattern, retention * USECS_PER_SEC);
+	idem_claim_partitions_keep(pattern, retention == 0, retention * USECS_PER_SEC);
 	SPI_finish();
 	idem_unbecome_owner(&as);
 

@@ -172,9 +172,8 @@ idem_configure_store(PG_FUNCTION_ARGS)
 			IDEM_INBOX_SCOPE_PREFIX "*" : IDEM_REQUEST_SCOPE_PREFIX "*";
 
 		idem_validate_claim_classes();
-		if (!PG_ARGISNULL(1))
-			idem_claim_partitions_keep(prefix,
-									   idem_interval_seconds(PG_GETARG_INTERVAL_P(1)) * USECS_PER_SEC);
+		idem_claim_partitions_keep(prefix, PG_ARGISNULL(1), PG_ARGISNULL(1) ? 0 :
+								   idem_interval_seconds(PG_GETARG_INTERVAL_P(1)) * USECS_PER_SEC);
 	}
 	SPI_finish();
 	idem_unbecome_owner(&as);

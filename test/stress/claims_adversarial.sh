@@ -39,15 +39,16 @@
 #     order; after each idem_configure change the configure loop changes
 #     '<SCOPE>_long''s retention with idem_configure_scope: raised (15-40 s),
 #     lowered (3-5 s, below every default) or removed (NULL: the default);
-#   - a sampler claims keys whose latest effect is younger than its scope's
-#     smallest retention in force (in a transaction it rolls back): each
-#     such claim must return false unless the key was released.
+#   - a sampler claims keys whose latest claim is still owed (in a
+#     transaction it rolls back): each such claim must return false unless
+#     the key was released.  A claim is owed while it is younger than the
+#     retention in force (its scope's own, else the default) at every moment
+#     since it, minus a margin: a retention raised after a claim is owed in
+#     full, one lowered below its age frees it (adv_owed).
 #
 # At the end it checks, and prints the offending keys of:
 #   doubled   two committed effects on one key with no committed release
-#             between them, the second claimed less than the smallest
-#             retention in force between the two (minus a margin) after the
-#             first;
+#             between them, the second claimed while the first was owed;
 #   lost      a committed claim that returned false while neither an own
 #             claim nor another transaction's committed, unreleased effect
 #             existed.  A committed idem_release that returned true forgets
@@ -58,9 +59,8 @@
 #   mismatch  a committed true claim without exactly one effect, an effect
 #             without a true claim, a claim row in idempotency.claims for a
 #             key with fewer effects than claim rows;
-#   dropped   a key whose latest effect is younger than the smallest
-#             retention in force since it (minus the margin) and was not
-#             released, yet idem_claimed() is NULL at the end (after a final
+#   dropped   a key whose latest claim is owed and was not released, yet
+#             idem_claimed() is NULL at the end (after a final
 #             idem_maintain()); and sampler claims that returned true.
 # It also fails if something it is meant to exercise did not happen: too
 # few transactions, no rollbacks, savepoint rollbacks, batches, releases,
@@ -269,6 +269,24 @@ LANGUAGE sql STABLE AS \$\$
         SELECT retention_s, long_retention_s FROM adv_config
         WHERE at > t_from - interval '1 s' AND at <= t_to + interval '1 s') c
 \$\$;
+
+-- is key k's claim made at t_from owed at t_to: was it younger than the
+-- retention in force (its scope's own, else the default) at every moment in
+-- between, minus the margin?  Each configuration is taken to be in force
+-- from a second before it was recorded to a second after the next one, so
+-- at any moment every retention that may have been in force counts.  Unlike
+-- adv_min_retention's bound, a retention raised after the claim is owed in
+-- full: the claims it covers must be kept for it.
+CREATE FUNCTION adv_owed(k text, t_from timestamptz, t_to timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS \$\$
+    SELECT coalesce(bool_and(least(p_end, t_to) - t_from < make_interval(secs => r - $MARGIN)), true) FROM (
+        SELECT CASE WHEN adv_key_scope(k) = '$LSCOPE' THEN coalesce(long_retention_s, retention_s)
+                    ELSE retention_s END AS r,
+               coalesce(lead(at) OVER (ORDER BY at) + interval '1 s', 'infinity') AS p_end,
+               at - interval '1 s' AS p_start
+        FROM adv_config) c
+    WHERE p_end > t_from AND p_start < t_to
+\$\$;
 SQL
 
 # ------------------------------------------------------- pgbench scripts
@@ -475,8 +493,7 @@ SELECT s.key, s.t_before, idem_claim(s.key, adv_key_scope(s.key))::int, clock_ti
 FROM (SELECT key, max(t_before) AS t_before FROM adv_effects
       WHERE t_before > clock_timestamp() - make_interval(secs => $RET_CEIL)
       GROUP BY key
-      HAVING clock_timestamp() - max(t_before)
-             < make_interval(secs => adv_min_retention(key, max(t_before), clock_timestamp()) - $MARGIN)
+      HAVING adv_owed(key, max(t_before), clock_timestamp())
       ORDER BY bool_or(via = 'slow') DESC, random() LIMIT 20) s
 WHERE NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = s.key AND r.t_after > s.t_before)
 ORDER BY adv_key_scope(s.key), s.key;
@@ -545,9 +562,8 @@ echo "round $(now_epoch)" >>"$tmp/maintain.log"
 sql -F '|' -c "SELECT extract(epoch FROM clock_timestamp()), action, object FROM idem_maintain()" \
     >>"$tmp/maintain.log" 2>>"$tmp/maintain.err" || echo "final idem_maintain failed" >>"$tmp/maintain.err"
 
-# at once, while the window is widest: every key whose latest effect is
-# younger than the smallest retention in force since it (minus the margin),
-# and not released since, must still be claimed
+# at once, while the window is widest: every key whose latest claim is owed
+# and not released since must still be claimed
 sql >/dev/null <<SQL
 CREATE TABLE adv_young AS
 SELECT e.key, e.txid, e.t_before, clock_timestamp() AS checked_at,
@@ -556,8 +572,7 @@ SELECT e.key, e.txid, e.t_before, clock_timestamp() AS checked_at,
 FROM (SELECT DISTINCT ON (key) key, txid, t_before FROM adv_effects
       WHERE t_before > clock_timestamp() - make_interval(secs => $RET_CEIL)
       ORDER BY key, t_before DESC) e
-WHERE clock_timestamp() - e.t_before
-      < make_interval(secs => adv_min_retention(e.key, e.t_before, clock_timestamp()) - $MARGIN)
+WHERE adv_owed(e.key, e.t_before, clock_timestamp())
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = e.key AND r.t_after > e.t_before);
 SQL
 parts_after=$(sql -c "SELECT coalesce(string_agg(state || ' ' || n, ', '), 'none')
@@ -675,7 +690,7 @@ SELECT key, 'first txid ' || p_txid || ' (' || p_via || ') at ' || to_char(p_bef
 FROM e
 WHERE p_txid IS NOT NULL
   AND t_after - p_before < make_interval(secs => $RET_CEIL)
-  AND t_after - p_before < make_interval(secs => adv_min_retention(key, p_before, t_after) - $MARGIN)
+  AND adv_owed(key, p_before, t_after)
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = e.key
                   AND r.t_after > e.p_before AND r.t_after < e.t_after)
 ORDER BY p_before"
@@ -747,7 +762,9 @@ SELECT key, 'effect txid ' || txid || ' at ' || to_char(t_before, 'HH24:MI:SS.MS
        'min retention since ' || min_retention || 's'
 FROM adv_young WHERE claimed_at IS NULL ORDER BY t_before"
 n_dropped=$nviol
-echo "retention check: $n_young keys ($n_young_s of $SCOPE, $n_young_l of $LSCOPE) with effects younger than the retention in force since them (oldest ${young_window}s) checked with idem_claimed()"
+n_raised_owed=$(sql -c "SELECT count(*) FROM adv_young
+                        WHERE checked_at - t_before >= make_interval(secs => min_retention - $MARGIN)")
+echo "retention check: $n_young keys ($n_young_s of $SCOPE, $n_young_l of $LSCOPE) with owed claims (oldest ${young_window}s) checked with idem_claimed(), $n_raised_owed of them older than the smallest retention in force since them (owed for a raised retention)"
 
 # sampler claims that returned true, unless a release committed in between
 sql -c "CREATE TABLE adv_samples (key text, t_before timestamptz, claimed int, at timestamptz)" >/dev/null
@@ -758,7 +775,7 @@ show "sampler: claims of young, unreleased keys that returned true" "
 SELECT s.key, 'effect at ' || to_char(s.t_before, 'HH24:MI:SS.MS'), 'claimed again at ' || to_char(s.at, 'HH24:MI:SS.MS'),
        'min retention since ' || adv_min_retention(s.key, s.t_before, s.at) || 's'
 FROM adv_samples s WHERE s.claimed = 1
-  AND s.at - s.t_before < make_interval(secs => adv_min_retention(s.key, s.t_before, s.at) - $MARGIN)
+  AND adv_owed(s.key, s.t_before, s.at)
   AND NOT EXISTS (SELECT FROM adv_releases r WHERE r.key = s.key AND r.t_after > s.t_before AND r.t_before < s.at)
 ORDER BY s.at"
 n_dropped=$((n_dropped + nviol))

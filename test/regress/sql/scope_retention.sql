@@ -166,6 +166,61 @@ SELECT idem_configure_store('inbox', NULL);
 SELECT idem_configure_store('requests', NULL);
 SELECT idem_configure_scope('inbox:special', NULL);
 
+-- A removed retention is a change too: the scopes fall back to a prefix's
+-- retention or the default's, and the partitions holding their claims are
+-- kept that long -- sealed ones when it is removed, open ones when they are
+-- sealed; for the default (keep_default) as it changes later.
+SET idempotency.debug_clock_offset = '10d';
+SELECT idem_configure_scope('fallback', '3 hours'), idem_configure_scope('fallback-open', '3 hours'),
+       idem_configure_scope('fb:*', '7 days'), idem_configure_scope('fb:x:*', '3 hours'),
+       idem_configure_store('inbox', '3 hours');
+SELECT idem_claim('f', 'fallback'), idem_claim('f', 'fallback-open'),
+       idem_inbox_receive('src2', 'f', '{}') AS received;
+SET idempotency.debug_clock_offset = '241h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claim('f', 'fb:x:1');
+SELECT scope, class FROM placed WHERE key = 'f' ORDER BY scope;
+SET idempotency.debug_clock_offset = '242h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+-- the first hour's partition is sealed: removed, its scopes fall back to the default
+SELECT idem_configure_scope('fallback', NULL), idem_configure_store('inbox', NULL);
+-- a claim of a scope's class while its partition is open, then removed
+SELECT idem_claim('g', 'fallback-open');
+SELECT idem_configure_scope('fallback-open', NULL);
+SET idempotency.debug_clock_offset = '244h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+-- removed once sealed: its scopes fall back to a shorter prefix's 7 days
+SELECT idem_configure_scope('fb:x:*', NULL);
+SELECT c.scope, c.key, r.keep_retention, r.keep_default, p.retention
+  FROM idempotency.claims c JOIN idempotency.partition_registry r ON r.relid = c.tableoid
+  JOIN idempotency.partitions p ON p.partition = r.relid
+ WHERE c.key IN ('f', 'g') AND c.scope NOT LIKE 'webhooks%' ORDER BY c.scope, c.key;
+SET idempotency.debug_clock_offset = '11d';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claimed('f', 'fallback') IS NOT NULL AS kept_default,
+       idem_claimed('f', 'fallback-open') IS NOT NULL AS kept_sealed_after,
+       idem_claimed('g', 'fallback-open') IS NOT NULL AS kept_claimed_after,
+       idem_claimed('f', 'fb:x:1') IS NOT NULL AS kept_prefix,
+       idem_claimed('f', 'inbox:src2') IS NOT NULL AS kept_store;
+-- the default raised later: the partitions that follow it are kept longer
+SELECT idem_configure(retention => '3 days');
+SET idempotency.debug_clock_offset = '300h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claimed('f', 'fallback') IS NOT NULL AS kept_default,
+       idem_claimed('g', 'fallback-open') IS NOT NULL AS kept_claimed_after,
+       idem_claimed('f', 'inbox:src2') IS NOT NULL AS kept_store;
+SET idempotency.debug_clock_offset = '318h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claimed('f', 'fallback') IS NOT NULL AS kept_default,
+       idem_claimed('g', 'fallback-open') IS NOT NULL AS kept_claimed_after,
+       idem_claimed('f', 'fb:x:1') IS NOT NULL AS kept_prefix;
+SET idempotency.debug_clock_offset = '414h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT count(*) AS left_after_their_retention FROM idempotency.claims WHERE key IN ('f', 'g');
+RESET idempotency.debug_clock_offset;
+SELECT idem_configure(retention => '2 days');
+SELECT idem_configure_scope('fb:*', NULL);
+
 -- a role without the unlimited operator capability may not configure
 CREATE ROLE scope_ret_operator;
 SELECT idem_grant('scope_ret_operator', 'operator', scopes => ARRAY['webhooks:*']);
