@@ -311,6 +311,18 @@ BEGIN
               'TABLE(owned integer[], configured boolean)',
               format('SELECT %s, true AS configured FROM %s.idem_configure(retention, partition_interval, premake) AS c',
                      owned, ext)],
+        ARRAY['configure_scope(scope text, retention interval)',
+              'TABLE(owned integer[], configured boolean)',
+              format('SELECT %s, true AS configured FROM %s.idem_configure_scope(scope, retention) AS c',
+                     owned, ext)],
+        ARRAY['configure_store(store text, retention interval)',
+              'TABLE(owned integer[], configured boolean)',
+              format('SELECT %s, true AS configured FROM %s.idem_configure_store(store, retention) AS c',
+                     owned, ext)],
+        ARRAY['store_settings()',
+              'TABLE(owned integer[], store text, retention interval, own boolean)',
+              format('SELECT %s, s.store, s.retention, s.own FROM idempotency.current_store_settings() AS s',
+                     owned)],
         ARRAY['settings()',
               'TABLE(owned integer[], retention interval, partition_interval interval, premake integer)',
               format('SELECT %s, s.retention, s.partition_interval, s.premake FROM idempotency.current_settings() AS s',
@@ -345,4 +357,4 @@ END
 $fn$;
 REVOKE ALL ON FUNCTION idem_shard_router_admin_ddl(text, name) FROM PUBLIC;
 COMMENT ON FUNCTION idem_shard_router_admin_ddl(text, name) IS
-    'router-side DDL: RUN ON ALL proxies (ownership, maintain, configure, settings, claimed, stats) in schema';
+    'router-side DDL: RUN ON ALL proxies (ownership, maintain, configure, configure_scope, configure_store, settings, store_settings, claimed, stats) in schema';

@@ -156,6 +156,24 @@ is($node->safe_psql('router', q{
 	  . $node->safe_psql('shard_b', q{SELECT '{1}:' || count(*) FROM idempotency.claims WHERE scope = 'payments'})
 	  . " = $EVENTS", 'the stats proxy adds up the claims of both shards');
 
+# retention per scope and per store reach every shard through the router
+$node->safe_psql('router', q{
+	SELECT count(*) FROM idem_shards.configure_scope('payments', '3 days');
+	SELECT count(*) FROM idem_shards.configure_store('inbox', '5 days')});
+is(join(' ', map { $node->safe_psql($_, q{SELECT scope || '=' || retention FROM idempotency.scope_retention}) }
+		qw(shard_a shard_b)),
+	'payments=3 days payments=3 days', 'configure_scope() reached both shards');
+is($node->safe_psql('router', q{
+	SELECT string_agg(owned::text || ':' || retention || ':' || own, ' ' ORDER BY owned)
+	  FROM idem_shards.store_settings() WHERE store = 'inbox'}),
+	'{0}:5 days:true {1}:5 days:true', 'configure_store() reached both shards');
+$node->safe_psql('router', q{
+	SELECT count(*) FROM idem_shards.configure_scope('payments', NULL);
+	SELECT count(*) FROM idem_shards.configure_store('inbox', NULL)});
+is(join(' ', map { $node->safe_psql($_, q{SELECT count(*) FROM idempotency.scope_retention}) } qw(shard_a shard_b))
+	  . ' ' . $node->safe_psql('router', q{SELECT bool_or(own) FROM idem_shards.store_settings()}),
+	'0 0 f', 'and removed from both');
+
 # ---- 2. misroutes are refused before claiming ----
 my ($acct_b) = map { $_ } grep {
 	$node->safe_psql('shard_a', "SELECT idem_shard_partition('$_', 2)") eq '1' } (1 .. 5);
