@@ -105,6 +105,66 @@ IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, 'postgres'), '--sink', 
 is($?, 0, '--url - (the default): --once exits 0') or diag($err);
 is($node->safe_psql('postgres', q{SELECT count(*) FROM local_sink l JOIN emitted e USING (id)}),
 	'5', '... having run the statement for the 5 events in the relay\'s own database');
+
+# --sql-commit: a batch is one transaction (its statements share an xid),
+# or each event its own; a batch with a failing statement rolls back and
+# goes again one event at a time: the others arrive once each, in seq order
+$node->safe_psql('postgres', q{
+CREATE TABLE local_tx (n bigserial PRIMARY KEY, id uuid NOT NULL, g int, xid xid8 NOT NULL DEFAULT pg_current_xact_id());
+CREATE SEQUENCE local_fail_tries;
+-- the first try of g = 4 fails (the sequence outlives its rollback)
+CREATE FUNCTION local_receive(ev jsonb, id uuid) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF (ev->'payload'->>'g')::int = 4 AND nextval('local_fail_tries') = 1 THEN
+        RAISE EXCEPTION 'the first try of g = 4 fails' USING ERRCODE = 'serialization_failure';
+    END IF;
+    INSERT INTO local_tx (id, g) VALUES (id, (ev->'payload'->>'g')::int);
+END $$;
+GRANT INSERT ON local_tx TO relay;
+GRANT USAGE ON SEQUENCE local_tx_n_seq, local_fail_tries TO relay;
+GRANT EXECUTE ON FUNCTION local_receive(jsonb, uuid) TO relay;
+});
+foreach my $mode ('batch', 'event')
+{
+	$node->safe_psql('postgres', qq{
+		TRUNCATE local_tx;
+		SELECT setval('local_fail_tries', 1, false);
+		INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+		  FROM generate_series(1, 6) g,
+		       LATERAL idem_outbox_emit('local_$mode', 'l' || (g % 2), 'ev', jsonb_build_object('g', g)) e;
+	});
+	IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, 'postgres'), '--sink', 'sql',
+			'--types', "local_$mode", '--sql-commit', $mode, '--retry-max', '0.1',
+			'--sql', 'SELECT local_receive($1, $2)', '--once' ],
+		'<', \undef, '>', \$out, '2>', \$err, IPC::Run::timeout(60));
+	is($?, 0, "--sql-commit $mode: --once exits 0") or diag($err);
+	is($node->safe_psql('postgres', q{SELECT string_agg(g::text, ',' ORDER BY g) FROM local_tx}),
+		'1,2,3,4,5,6', "--sql-commit $mode: each event once, the one that failed first too");
+	is($node->safe_psql('postgres', q{
+		SELECT bool_and(ordered) FROM (
+		    SELECT g > coalesce(lag(g) OVER (PARTITION BY g % 2 ORDER BY n), 0) AS ordered FROM local_tx) o}),
+		't', "--sql-commit $mode: per aggregate in seq order");
+	is($node->safe_psql('postgres', q{SELECT count(DISTINCT xid) FROM local_tx}),
+		'6', "--sql-commit $mode: after the failure, one transaction per event");
+	$node->safe_psql('postgres', qq{DELETE FROM emitted WHERE aggregate_type = 'local_$mode'});
+}
+# a batch that does not fail is one transaction
+$node->safe_psql('postgres', q{
+	TRUNCATE local_tx;
+	INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+	  FROM generate_series(1, 6) g, LATERAL idem_outbox_emit('local_ok', 'l' || (g % 2), 'ev', jsonb_build_object('g', g)) e;
+});
+IPC::Run::run([ 'idem-relay', '-d', relay_connstr($node, 'postgres'), '--sink', 'sql', '--types', 'local_ok',
+		'--sql', 'SELECT local_receive($1, $2)', '--once' ],
+	'<', \undef, '>', \$out, '2>', \$err, IPC::Run::timeout(60));
+is($node->safe_psql('postgres', q{SELECT count(*) || ' in ' || count(DISTINCT xid) FROM local_tx}),
+	'6 in 1', 'a batch that does not fail: its 6 statements in one transaction');
+$node->safe_psql('postgres', q{DELETE FROM emitted WHERE aggregate_type = 'local_ok'});
+IPC::Run::run([ 'idem-relay', '--sink', 'sql', '--sql', 'SELECT 1', '--sql-commit', 'sometimes' ],
+	'<', \undef, '>', \$out, '2>', \$err);
+is($? >> 8, 2, 'exit 2: --sql-commit sometimes');
+like($err, qr/invalid --sql-commit "sometimes": batch or event/, 'message: batch or event');
+
 # (they are not among what the downstream database must get)
 $node->safe_psql('postgres', q{DELETE FROM emitted WHERE aggregate_type = 'local'});
 
@@ -156,9 +216,10 @@ like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total 
 ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
 
 my $log = slurp_file("$tmp/relay.out.err");
-like($log, qr/publish failed: trying again.*could not serialize|publish failed: trying again.*try again/,
-	'the serialization failure was logged as tried again');
-like($log, qr/publish failed: trying again.*statement timeout/, 'so was the statement timeout');
+# (in its batch's transaction, which rolled back, or on its own)
+my $again = qr/(?:publish failed: trying again|pipelined publish stopped in a run: going on one event at a time)/;
+like($log, qr/$again.*(?:could not serialize|try again)/, 'the serialization failure was logged as tried again');
+like($log, qr/$again.*statement timeout/, 'so was the statement timeout');
 
 is(scalar(grep { $_->{aggregate_type} eq 'local' } @{ arrivals() }), 0,
 	'(the --url - run wrote nothing downstream)');

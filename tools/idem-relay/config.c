@@ -45,6 +45,8 @@ static const option_def options[] = {
 	{"exchange", 0, O_STRING, OFF(exchange), "NAME", "amqp: the exchange to publish to (default: the default exchange)"},
 	{"sql", 0, O_STRING, OFF(sql), "STATEMENT",
 	"sql: the statement run per event on the sink's connection, $1 the event as JSON, $2 its id"},
+	{"sql-commit", 0, O_STRING, OFF(sql_commit), "batch|event",
+	"sql: one transaction per batch (default; a failed one goes again event by event) or per event"},
 	{"types", 't', O_STRING, OFF(types), "LIST", "comma-separated aggregate types to take (default: all)"},
 	{"subscription", 0, O_STRING, OFF(subscription), "NAME",
 	"the outbox subscription to deliver (default: default); one relay process per subscription and sink"},
@@ -360,6 +362,8 @@ check(relay_config *cfg, int sink_given)
 		config_error("--sink sql needs --sql STATEMENT%s%s", "", "");
 	if (*cfg->sql && (!sink || strcmp(sink->name, "sql") != 0))
 		config_error("--sql is for --sink sql only%s%s", "", "");
+	if (strcmp(cfg->sql_commit, "batch") != 0 && strcmp(cfg->sql_commit, "event") != 0)
+		config_error("invalid --sql-commit \"%s\": batch or event%s", cfg->sql_commit, "");
 }
 
 void
@@ -376,6 +380,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->target = NULL;
 	cfg->exchange = "";
 	cfg->sql = "";
+	cfg->sql_commit = "batch";
 	cfg->types = "";
 	cfg->subscription = "default";
 	cfg->metrics_listen = "";

@@ -44,6 +44,7 @@ typedef struct relay_config
 	const char *target;			/* template of subject / stream / routing key */
 	const char *exchange;		/* amqp: the exchange ("" = the default one) */
 	const char *sql;			/* sql: the statement run per event ("" = none) */
+	const char *sql_commit;		/* sql: "batch" (a transaction per batch) or "event" */
 	const char *types;			/* comma-separated aggregate types, "" = all */
 	const char *subscription;	/* the outbox subscription it delivers */
 	const char *metrics_listen; /* host:port, "" = none */

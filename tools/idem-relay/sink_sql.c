@@ -6,10 +6,17 @@
  * use either, both or neither, but no $3.  The statement's result is
  * ignored: it succeeds, and the event is confirmed, or it raises.
  *
- * Each statement runs in autocommit, so it has committed before the relay
- * acks the event: at least once, exactly once in effect for a statement
- * that dedupes (on $2, or with idem_claim in a database with the
- * extension).  The connection's application_name is the relay's
+ * Commits (--sql-commit): "batch" (the default) runs the statements of a
+ * whole batch in one transaction, sent in libpq's pipeline mode, one round
+ * trip for all; if any statement fails, or the COMMIT does, the transaction
+ * rolls back, nothing of it counts, and the batch goes one event at a time
+ * (outbox.c), each statement in autocommit, as "event" always does -- so
+ * one poison event costs its batch a second, slower pass, never its order
+ * or an effect.  Either way a statement has committed before the relay acks
+ * its event: at least once, exactly once in effect for a statement that
+ * dedupes (on $2, or with idem_claim in a database with the extension).  In
+ * a batch every statement sees the same now() and holds its locks to the
+ * batch's commit.  The connection's application_name is the relay's
  * (PGAPPNAME, or idem-relay) plus "/sink", statement_timeout is --timeout.
  *
  * Errors, by SQLSTATE: 40xxx (serialization failure, deadlock), 53xxx
@@ -23,7 +30,8 @@
  * outbox_max_attempts.  A statement that cannot be prepared when the relay
  * starts (a syntax error, more than two parameters) stops it with exit 2.
  *
- * One connection, blocking; main thread only.
+ * One connection, blocking; main thread only.  A batch's runs are copied
+ * by send_run and run at the first recv_run (sink.c's sink_runs_recv).
  */
 #include "relay.h"
 
@@ -39,13 +47,46 @@ static const Oid param_types[2] = {3802, 2950};	/* JSONBOID, UUIDOID */
 typedef struct sql_sink
 {
 	PGconn	   *conn;
+	int			per_event;		/* --sql-commit event: no batch transactions */
+	double		lease;			/* --lease: a batch's transaction ends by a third of it */
+	/* the runs of the batch in hand (send_run), their events' json and id */
+	sink_run   *runs;
+	int			nruns,
+				runcap;
+	char	  **json;
+	char	  **id;
+	int			nev,
+				evcap;
+	int			nread;			/* runs recv_run returned */
+	int			waved;			/* the batch's transaction ran */
 } sql_sink;
+
+/* forget the runs queued (after the last recv_run, or on close) */
+static void
+sql_reset(void *state)
+{
+	sql_sink   *st = state;
+
+	for (int i = 0; i < st->nev; i++)
+	{
+		free(st->json[i]);
+		free(st->id[i]);
+	}
+	st->nev = 0;
+	st->nruns = 0;
+	st->nread = 0;
+	st->waved = 0;
+}
 
 static void
 sql_close(void *state)
 {
 	sql_sink   *st = state;
 
+	sql_reset(st);
+	free(st->runs);
+	free(st->json);
+	free(st->id);
 	PQfinish(st->conn);
 	free(st);
 }
@@ -90,6 +131,8 @@ sql_open(void **state, const relay_config *cfg, char *err, size_t errlen)
 		snprintf(err, errlen, "out of memory");
 		return -1;
 	}
+	st->per_event = strcmp(cfg->sql_commit, "event") == 0;
+	st->lease = cfg->lease;
 	/* expand_dbname: the later keys win over what the connection string says */
 	st->conn = PQconnectdbParams(keys, values, 1);
 	if (PQstatus(st->conn) != CONNECTION_OK)
@@ -189,5 +232,255 @@ sql_publish(void *state, const relay_event *ev, const char *target, char *err, s
 	return r;
 }
 
-SINK_DEFINE(sink_sql, "sql", "-", "",
-			sql_open, sql_publish, NULL, sql_close);
+/*
+ * send_run: copy one aggregate's run; nothing is sent before the first
+ * recv_run.  With --sql-commit event it declines, so every event goes one
+ * at a time.
+ */
+static int
+sql_send_run(void *state, const relay_event *evs, const char *const *targets, int n,
+			 char *err, size_t errlen)
+{
+	sql_sink   *st = state;
+	sink_run   *run;
+
+	(void) targets;
+	if (st->per_event)
+	{
+		snprintf(err, errlen, "--sql-commit event: one transaction per event");
+		return -1;
+	}
+	if (st->nruns == st->runcap)
+	{
+		int			cap = st->runcap ? st->runcap * 2 : 64;
+		sink_run   *r = realloc(st->runs, (size_t) cap * sizeof(*r));
+
+		if (!r)
+			goto oom;
+		st->runs = r;
+		st->runcap = cap;
+	}
+	if (st->nev + n > st->evcap)
+	{
+		int			cap = st->evcap ? st->evcap : 128;
+		char	  **j,
+				  **d;
+
+		while (cap < st->nev + n)
+			cap *= 2;
+		j = realloc(st->json, (size_t) cap * sizeof(*j));
+		if (!j)
+			goto oom;
+		st->json = j;
+		d = realloc(st->id, (size_t) cap * sizeof(*d));
+		if (!d)
+			goto oom;
+		st->id = d;
+		st->evcap = cap;
+	}
+	run = &st->runs[st->nruns++];
+	memset(run, 0, sizeof(*run));
+	run->first = st->nev;
+	run->n = n;
+	run->res = SINK_OK;
+	for (int i = 0; i < n; i++)
+	{
+		st->json[st->nev] = strdup(evs[i].json);
+		st->id[st->nev] = strdup(evs[i].id);
+		if (!st->json[st->nev] || !st->id[st->nev])
+		{
+			free(st->json[st->nev]);
+			free(st->id[st->nev]);
+			goto oom;
+		}
+		st->nev++;
+	}
+	return 0;
+oom:
+	snprintf(err, errlen, "out of memory");
+	return -1;
+}
+
+/*
+ * Send BEGIN (first) and the statements of events [from, to), then a sync,
+ * and read their results: the first error into err (and *down if it means
+ * the database is unreachable).  Returns 1 if every statement succeeded.
+ */
+static int
+sql_chunk(sql_sink *st, int begin, int from, int to, char *err, size_t errlen, int *down)
+{
+	PGconn	   *conn = st->conn;
+	int			ok,
+				nq = to - from + begin;
+
+	ok = !begin || PQsendQueryParams(conn, "BEGIN", 0, NULL, NULL, NULL, NULL, 0);
+	for (int i = from; ok && i < to; i++)
+	{
+		const char *params[2] = {st->json[i], st->id[i]};
+
+		ok = PQsendQueryPrepared(conn, SQL_STMT_NAME, 2, params, NULL, NULL, 0);
+	}
+	if (!ok || !PQpipelineSync(conn))
+	{
+		sql_error_text(conn, NULL, err, errlen);
+		*down = 1;
+		return 0;
+	}
+	/* a result each (then NULL), then the sync's */
+	for (int q = 0; q < nq; q++)
+	{
+		PGresult   *res = PQgetResult(conn);
+		ExecStatusType rs;
+
+		if (res == NULL)
+		{
+			if (ok)
+				sql_error_text(conn, NULL, err, errlen);
+			*down = 1;			/* no result: the connection is broken */
+			return 0;
+		}
+		rs = PQresultStatus(res);
+		if (rs == PGRES_FATAL_ERROR && ok)
+		{
+			sql_error_text(conn, res, err, errlen);
+			if (PQstatus(conn) != CONNECTION_OK ||
+				sql_result_of(PQresultErrorField(res, PG_DIAG_SQLSTATE)) == SINK_DOWN)
+				*down = 1;
+		}
+		if (rs != PGRES_COMMAND_OK && rs != PGRES_TUPLES_OK)
+			ok = 0;
+		PQclear(res);
+		while ((res = PQgetResult(conn)) != NULL)
+			PQclear(res);
+	}
+	{
+		PGresult   *res = PQgetResult(conn);
+
+		if (res == NULL || PQresultStatus(res) != PGRES_PIPELINE_SYNC)
+			*down = 1;
+		PQclear(res);
+	}
+	return ok && !*down;
+}
+
+/*
+ * The batch's transaction: BEGIN and every queued event's statement, sent
+ * in pipeline mode in chunks (a round trip each: SQL_FIRST_CHUNK, then as
+ * many as should end by the deadline at the pace so far), then COMMIT.
+ * Past a third of the lease, or on SIGTERM, it commits what ran so far --
+ * a prefix of each run, as the runs went in order -- and leaves the rest
+ * to the one-at-a-time path, which extends the lease.  If a statement or
+ * the COMMIT fails, it rolls back and nothing is confirmed: each run fails
+ * with the first error, SINK_RETRY so that the batch goes one event at a
+ * time, or SINK_DOWN if the database is unreachable.
+ */
+#define SQL_FIRST_CHUNK 8
+#define SQL_MAX_CHUNK 128
+
+static void
+sql_batch(void *state)
+{
+	sql_sink   *st = state;
+	PGconn	   *conn = st->conn;
+	char		first_err[256] = "";
+	double		started = relay_now();
+	double		deadline = started + st->lease / 3;
+	int			done = 0,
+				ok = 1,
+				down = 0;
+
+	if (!PQenterPipelineMode(conn))
+	{
+		sql_error_text(conn, NULL, first_err, sizeof(first_err));
+		sink_runs_fail_rest(st->runs, st->nruns, SINK_DOWN, first_err);
+		return;
+	}
+	while (ok && done < st->nev)
+	{
+		int			chunk = SQL_FIRST_CHUNK,
+					to;
+		double		now = relay_now();
+
+		/* as many as should end by the deadline, at the pace so far */
+		if (done > 0)
+		{
+			double		each = (now - started) / done;
+
+			chunk = each > 0 ? (int) ((deadline - now) / each) : SQL_MAX_CHUNK;
+			chunk = chunk < 1 ? 1 : (chunk > SQL_MAX_CHUNK ? SQL_MAX_CHUNK : chunk);
+		}
+		to = done + chunk < st->nev ? done + chunk : st->nev;
+		ok = sql_chunk(st, done == 0, done, to, first_err, sizeof(first_err), &down);
+		if (ok)
+			done = to;
+		if (relay_stopping || relay_now() > deadline)
+			break;
+	}
+	if (ok)
+	{
+		ok = PQsendQueryParams(conn, "COMMIT", 0, NULL, NULL, NULL, NULL, 0) &&
+			PQpipelineSync(conn);
+		if (!ok)
+			down = 1;
+		else
+		{
+			PGresult   *res = PQgetResult(conn);
+
+			if (res == NULL || PQresultStatus(res) != PGRES_COMMAND_OK)
+			{
+				ok = 0;
+				sql_error_text(conn, res, first_err, sizeof(first_err));
+				if (PQstatus(conn) != CONNECTION_OK || res == NULL)
+					down = 1;	/* the outcome is unknown: nothing counts */
+			}
+			PQclear(res);
+			while ((res = PQgetResult(conn)) != NULL)
+				PQclear(res);
+			res = PQgetResult(conn);
+			if (res == NULL || PQresultStatus(res) != PGRES_PIPELINE_SYNC)
+				down = 1;
+			PQclear(res);
+		}
+	}
+	if (PQstatus(conn) != CONNECTION_OK || (!down && !PQexitPipelineMode(conn)))
+		down = 1;
+	if (!down && PQtransactionStatus(conn) != PQTRANS_IDLE)
+	{
+		/* an error inside the block leaves it aborted: end it */
+		PGresult   *res = PQexec(conn, "ROLLBACK");
+
+		if (PQresultStatus(res) != PGRES_COMMAND_OK)
+			down = 1;
+		PQclear(res);
+		ok = 0;
+	}
+	if (!ok || down)
+	{
+		if (!first_err[0])
+			sql_error_text(conn, NULL, first_err, sizeof(first_err));
+		sink_runs_fail_rest(st->runs, st->nruns, down ? SINK_DOWN : SINK_RETRY, first_err);
+		return;
+	}
+	/* committed: the events that ran, a prefix of each run */
+	for (int r = 0; r < st->nruns; r++)
+	{
+		sink_run   *run = &st->runs[r];
+		int			ran = done - run->first;
+
+		run->confirmed = ran < 0 ? 0 : (ran > run->n ? run->n : ran);
+	}
+	sink_runs_fail_rest(st->runs, st->nruns, SINK_RETRY,
+						relay_stopping ? "stopping" : "a third of the batch's time gone: one event at a time");
+}
+
+static sink_result
+sql_recv_run(void *state, int *confirmed, char *err, size_t errlen)
+{
+	sql_sink   *st = state;
+
+	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
+						  sql_batch, sql_reset, confirmed, err, errlen);
+}
+
+SINK_DEFINE_PIPELINED(sink_sql, "sql", "-", "",
+					  sql_open, sql_publish, sql_close, sql_send_run, sql_recv_run);
