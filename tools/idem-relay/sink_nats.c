@@ -430,8 +430,12 @@ nats_waves(nats_sink *st)
 		}
 		if (st->nwave == 0)
 			break;
+		/* the library settles nothing of a closed connection: take them back */
 		if (js_PublishAsyncComplete(st->ajs, &wait) != NATS_OK)
+		{
+			log_msg(LOG_WARN, "nats: publishes still pending after the wave's wait: taken back", NULL);
 			nats_quiesce(st);
+		}
 		pthread_mutex_lock(&st->mu);
 		for (i = 0; i < st->nwave; i++)
 		{
