@@ -81,8 +81,10 @@ ok(wait_until(60, sub { metric($relay, 'idem_relay_published_total') > $publishe
 
 # --- a wave pending when the connection is cut
 my $reconnects = metric($relay, 'idem_relay_sink_reconnects_total');
-# (the emitters keep the relay publishing: a wave goes out within the 0.3 s)
 proxy_delay($proxy, 'stall');
+# events to publish now, beside the emitters': a wave goes out at once
+$node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+  FROM generate_series(1, 20) g, LATERAL idem_outbox_emit('load', 'cut' || g, 'ev', '{}') e});
 sleep 0.3;
 proxy_cut($proxy);
 proxy_delay($proxy, 0);
