@@ -5,8 +5,12 @@
 #
 # bench-packages: nats-server rabbitmq-server redis-server redis-tools libnats-dev librabbitmq-dev libcurl4-openssl-dev libmicrohttpd-dev pkg-config
 #
-# Each round loads IDEM_RELAY_BENCH_EVENTS events (default 50000) over 1000
-# aggregates, then drains them, timed by the wall clock (events/s):
+# Each round loads IDEM_RELAY_BENCH_EVENTS events (default 50000), then
+# drains them, timed by the wall clock (events/s), once for each shape of
+# IDEM_RELAY_BENCH_SHAPES (events per aggregate, default "30 1": the events
+# over EVENTS/30 aggregates, so a claim of 100 holds about 3 runs of 30
+# events; and one event per aggregate, as many aggregates as events, so a
+# claim holds 100 runs of one, the common shape):
 #   drain   the outbox alone: one pgbench client running
 #           test/bench/outbox_relay_idem.sql (idem_outbox_claim(100), then
 #           idem_outbox_ack of the batch): the database's side of a relay,
@@ -33,15 +37,18 @@
 # (not what the relay does today, what its pipelining could reach):
 # redis-benchmark -P 100, and nats / amqp publishing 100 at a time (the
 # relay's batch) or all N, awaiting the acks after each window.
-# Ratios (medians of IDEM_BENCH_ROUNDS rounds, default 3): each sink / the
-# drain, each sink / its broker's rate, each sink / its broker's pipelined
-# rate.  A broker not installed, or a sink not compiled in, is "skipped".
+# The brokers' own rates do not depend on the shape: measured once a round.
+# Ratios (medians of IDEM_BENCH_ROUNDS rounds, default 3), for each shape:
+# each sink / the drain, each sink / its broker's rate, each sink / its
+# broker's pipelined rate.  A broker not installed, or a sink not compiled in, is "skipped".
 # Run: test/bench/run relay.
 set -euo pipefail
 shopt -s inherit_errexit
 . "$(dirname "$0")/lib.sh"
 ROUNDS=${IDEM_BENCH_ROUNDS:-3}
 EVENTS=${IDEM_RELAY_BENCH_EVENTS:-50000}
+read -r -a SHAPES <<<"${IDEM_RELAY_BENCH_SHAPES:-30 1}"
+PER=${SHAPES[0]}	# the shape load makes: events per aggregate
 DB=idem_bench_relay
 # shellcheck disable=SC2016 # $1 and $2 are the sink's parameters
 SQL_STMT='INSERT INTO bench_sink(id, ev) VALUES ($2::uuid, $1::jsonb)'
@@ -104,11 +111,14 @@ cc -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -O2 -Wall -Wextra "${bp_
     { echo "relay.sh: cannot build broker_publish.c" >&2; exit 1; }
 bp_has() { [[ " ${bp_defs[*]} " == *" -D$1 "* ]]; }
 
+# n events (default EVENTS) over n / PER aggregates, each aggregate's
+# events spread over the load
 load() {
-    local n=${1:-$EVENTS}
+    local n=${1:-$EVENTS} aggs
+    aggs=$((n / PER > 0 ? n / PER : 1))
     psql -X -q -v ON_ERROR_STOP=1 >/dev/null <<SQL
 SELECT count(*) FROM generate_series(0, $n - 1, 500) b,
-  LATERAL idem_outbox_emit_many('order', ARRAY(SELECT ((b + g) % 1000)::text FROM generate_series(0, least(499, $n - 1 - b)) g),
+  LATERAL idem_outbox_emit_many('order', ARRAY(SELECT ((b + g) % $aggs)::text FROM generate_series(0, least(499, $n - 1 - b)) g),
                                 array_fill('created'::text, ARRAY[least(500, $n - b)]),
                                 array_fill('{"n": 1, "note": "a payload of some size, as events have"}'::jsonb, ARRAY[least(500, $n - b)]));
 SQL
@@ -289,39 +299,46 @@ record() {
     line+=" $name $v,"
 }
 
+# the sinks' runs of one round in the shape PER, the names suffixed _aPER
+sink_round() {
+    local a=_a$PER
+    record "drain$a" timed drain
+    record "stdout$a" timed stdout
+    record "stdout_serial$a" timed stdout_serial
+    if [[ -n $redis_port ]]; then
+        record "redis$a" timed redis
+        record "redis_serial$a" timed redis_serial
+    fi
+    if [[ -n $nats_url ]]; then
+        record "nats$a" timed nats
+        record "nats_serial$a" timed nats_serial
+    fi
+    [[ -n $amqp_url ]] && record "amqp$a" timed amqp
+    [[ -n $http_url ]] && record "http$a" timed http
+    [[ -n $sql_on ]] && record "sql$a" timed sql
+    return 0
+}
+
 for round in $(seq "$ROUNDS"); do
     line=''
-    record drain timed drain
-    record stdout timed stdout
-    record stdout_serial timed stdout_serial
+    for PER in "${SHAPES[@]}"; do sink_round; done
     if [[ -n $redis_port ]]; then
-        record redis timed redis
-        record redis_serial timed redis_serial
         record xadd xadd 1
         record xadd_p100 xadd 100
     fi
     if [[ -n $nats_url ]]; then
-        record nats timed nats
-        record nats_serial timed nats_serial
         record js_pub nats_rate
         record js_pub_w100 nats_rate 100
         record js_pub_all nats_rate "$EVENTS"
     fi
     if [[ -n $amqp_url ]]; then
-        record amqp timed amqp
         record amqp_pub amqp_rate
         record amqp_pub_w100 amqp_rate 100
         record amqp_pub_all amqp_rate "$EVENTS"
     fi
-    if [[ -n $http_url ]]; then
-        record http timed http
-        record http_post http_rate
-    fi
-    if [[ -n $sql_on ]]; then
-        record sql timed sql
-        record sql_insert sql_rate
-    fi
-    echo "round $round (events/s):${line%,}"
+    [[ -n $http_url ]] && record http_post http_rate
+    [[ -n $sql_on ]] && record sql_insert sql_rate
+    echo "round $round (events/s; _aN: N events per aggregate):${line%,}"
 done
 
 # bench_ratio over the rounds' figures of CAND and BASE
@@ -330,32 +347,34 @@ ratio() {
     c="r_${cand}[@]" b="r_${base}[@]"
     bench_ratio "$label" "$cname" "${!c}" -- "$bname" "${!b}"
 }
-ratio "relay stdout" "idem-relay stdout" stdout "drain alone" drain
-for s in redis nats amqp http sql; do
-    [[ " ${names[*]} " == *" $s "* ]] && ratio "relay $s" "idem-relay $s" "$s" "drain alone" drain
+has() { [[ " ${names[*]} " == *" $1 "* ]]; }
+for PER in "${SHAPES[@]}"; do
+    a=_a$PER w=" ($PER/aggregate)"
+    ratio "relay stdout$w" "idem-relay stdout" "stdout$a" "drain alone" "drain$a"
+    for s in redis nats amqp http sql; do
+        has "$s$a" && ratio "relay $s$w" "idem-relay $s" "$s$a" "drain alone" "drain$a"
+    done
+    ratio "relay stdout overlap vs serial$w" "idem-relay stdout" "stdout$a" "idem-relay stdout --prefetch 0" "stdout_serial$a"
+    for s in redis nats; do
+        has "$s$a" &&
+            ratio "relay $s overlap vs serial$w" "idem-relay $s" "$s$a" "idem-relay $s --prefetch 0" "${s}_serial$a"
+    done
+    if has "redis$a"; then
+        ratio "relay redis vs broker$w" "idem-relay redis" "redis$a" "redis-benchmark XADD" xadd
+        ratio "relay redis vs broker pipelined$w" "idem-relay redis" "redis$a" "redis-benchmark XADD -P 100" xadd_p100
+    fi
+    if has "nats$a"; then
+        ratio "relay nats vs broker$w" "idem-relay nats" "nats$a" "js publish, each ack awaited" js_pub
+        ratio "relay nats vs broker pipelined$w" "idem-relay nats" "nats$a" "js publish async, acks per 100" js_pub_w100
+        ratio "relay nats vs broker all async$w" "idem-relay nats" "nats$a" "js publish async, acks at the end" js_pub_all
+    fi
+    if has "amqp$a"; then
+        ratio "relay amqp vs broker$w" "idem-relay amqp" "amqp$a" "amqp publish, each confirm awaited" amqp_pub
+        ratio "relay amqp vs broker pipelined$w" "idem-relay amqp" "amqp$a" "amqp publish, confirms per 100" amqp_pub_w100
+        ratio "relay amqp vs broker all async$w" "idem-relay amqp" "amqp$a" "amqp publish, confirms at the end" amqp_pub_all
+    fi
+    has "http$a" && ratio "relay http vs receiver$w" "idem-relay http" "http$a" "curl POST loop, keep-alive" http_post
+    if has "sql$a"; then
+        ratio "relay sql vs pgbench$w" "idem-relay sql" "sql$a" "pgbench INSERT, 1 per transaction" sql_insert
+    fi
 done
-ratio "relay stdout overlap vs serial" "idem-relay stdout" stdout "idem-relay stdout --prefetch 0" stdout_serial
-for s in redis nats; do
-    [[ " ${names[*]} " == *" $s "* ]] &&
-        ratio "relay $s overlap vs serial" "idem-relay $s" "$s" "idem-relay $s --prefetch 0" "${s}_serial"
-done
-if [[ " ${names[*]} " == *" redis "* ]]; then
-    ratio "relay redis vs broker" "idem-relay redis" redis "redis-benchmark XADD" xadd
-    ratio "relay redis vs broker pipelined" "idem-relay redis" redis "redis-benchmark XADD -P 100" xadd_p100
-fi
-if [[ " ${names[*]} " == *" nats "* ]]; then
-    ratio "relay nats vs broker" "idem-relay nats" nats "js publish, each ack awaited" js_pub
-    ratio "relay nats vs broker pipelined" "idem-relay nats" nats "js publish async, acks per 100" js_pub_w100
-    ratio "relay nats vs broker all async" "idem-relay nats" nats "js publish async, acks at the end" js_pub_all
-fi
-if [[ " ${names[*]} " == *" amqp "* ]]; then
-    ratio "relay amqp vs broker" "idem-relay amqp" amqp "amqp publish, each confirm awaited" amqp_pub
-    ratio "relay amqp vs broker pipelined" "idem-relay amqp" amqp "amqp publish, confirms per 100" amqp_pub_w100
-    ratio "relay amqp vs broker all async" "idem-relay amqp" amqp "amqp publish, confirms at the end" amqp_pub_all
-fi
-if [[ " ${names[*]} " == *" http "* ]]; then
-    ratio "relay http vs receiver" "idem-relay http" http "curl POST loop, keep-alive" http_post
-fi
-if [[ " ${names[*]} " == *" sql "* ]]; then
-    ratio "relay sql vs pgbench" "idem-relay sql" sql "pgbench INSERT, 1 per transaction" sql_insert
-fi

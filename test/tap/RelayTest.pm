@@ -15,7 +15,9 @@
 # redis_cli), nats-server with JetStream (start_nats, nats_requests: a few
 # lines of the NATS protocol), RabbitMQ (rabbit_node, start_rabbit,
 # stop_rabbit, amqp: helpers/amqp_dump.c, built here); stop_broker.  A
-# test that dies leaves no broker behind.
+# TCP proxy between the relay and a broker that holds back what the broker
+# sends (start_proxy, proxy_delay, proxy_cut).  A test that dies leaves no
+# broker or proxy behind.
 #
 # An arrival is a hash {id, aggregate_type, aggregate_id, seq}, in the order
 # the broker (or the reader) got them.
@@ -37,7 +39,8 @@ our @EXPORT = qw(relay_node relay_role need_binary free_port start_emitters
   emit_poison http_get relay_connstr drain_and_dead_letter inbound_role
   start_inbound inbound_messages inbox_rows check_inbox http_post metric
   start_redis redis_cli stop_broker start_nats nats_requests rabbit_node
-  start_rabbit stop_rabbit amqp inbound_scenario);
+  start_rabbit stop_rabbit amqp inbound_scenario start_proxy proxy_delay
+  proxy_cut);
 
 # skip the whole test if $bin is not on PATH, unless CI=true (then fail)
 sub need_binary
@@ -481,6 +484,126 @@ sub stop_rabbit
 	IPC::Run::run([ '/usr/lib/rabbitmq/bin/rabbitmqctl', 'shutdown' ], '>', \my $o, '2>&1');
 	$r->{h}->finish if $r->{h};
 	$r->{h} = undef;
+	return;
+}
+
+# --- a proxy between the relay and a broker
+
+my @proxies;
+END
+{
+	local $?;
+	foreach my $p (@proxies) { kill 'KILL', $p; waitpid($p, 0); }
+}
+
+# A TCP proxy on 127.0.0.1 (a free port) to 127.0.0.1:$to_port, in a child
+# process: what the client sends is forwarded at once; what the broker
+# sends is held back, in order, until it has waited the delay that file
+# $dir/proxy.delay says when it is due (seconds; no file: 0; "stall": until
+# the file says otherwise), so a confirm can be made to come after the
+# client's timeout.  Touching $dir/proxy.cut closes every connection (the
+# data held back with them) and removes the file.  Returns {pid, port, dir}.
+sub start_proxy
+{
+	my ($dir, $to_port) = @_;
+	require IO::Select;
+	require IO::Socket::INET;
+	require POSIX;
+	my $port = free_port();
+	my $listen = IO::Socket::INET->new(LocalAddr => '127.0.0.1', LocalPort => $port,
+		Listen => 16, ReuseAddr => 1) or die "proxy: cannot listen on $port: $!";
+	unlink "$dir/proxy.delay", "$dir/proxy.cut";
+	my $parent = $$;
+	my $pid = fork() // die "fork: $!";
+	if ($pid == 0)
+	{
+		eval { proxy_loop($listen, $to_port, $dir, $parent); };
+		print STDERR "proxy: $@" if $@;
+		POSIX::_exit(0);	# (not the test's END blocks)
+	}
+	close $listen;
+	push @proxies, $pid;
+	return { pid => $pid, port => $port, dir => $dir };
+}
+
+sub proxy_write
+{
+	my ($fh, $data) = @_;
+	while (length $data)
+	{
+		my $n = syswrite($fh, $data);
+		return 0 if !defined $n;
+		substr($data, 0, $n) = '';
+	}
+	return 1;
+}
+
+sub proxy_loop
+{
+	my ($listen, $to_port, $dir, $parent) = @_;
+	my @conns;		# {c: the client's socket, b: the broker's, q: [[arrived, data], ...]}
+	my $drop = sub { my ($c) = @_; close $c->{c}; close $c->{b}; @conns = grep { $_ != $c } @conns; };
+	while (getppid() == $parent)
+	{
+		my $delay = 0;
+		if (open my $fh, '<', "$dir/proxy.delay")
+		{
+			my $d = <$fh> // '';
+			$delay = $d =~ /stall/ ? 1e9 : ($d =~ /([\d.]+)/ ? $1 : 0);
+		}
+		if (-e "$dir/proxy.cut")
+		{
+			$drop->($_) for (my @all = @conns);
+			unlink "$dir/proxy.cut";
+		}
+		my $sel = IO::Select->new($listen, map { ($_->{c}, $_->{b}) } @conns);
+		foreach my $fh ($sel->can_read(0.005))
+		{
+			if ($fh == $listen)
+			{
+				my $c = $listen->accept or next;
+				my $b = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $to_port);
+				if ($b) { push @conns, { c => $c, b => $b, q => [] }; } else { close $c; }
+				next;
+			}
+			my ($conn) = grep { $_->{c} == $fh || $_->{b} == $fh } @conns or next;
+			my $n = sysread($fh, my $buf, 65536);
+			if (!$n) { $drop->($conn); next; }
+			if ($fh == $conn->{c}) { proxy_write($conn->{b}, $buf) or $drop->($conn); }
+			else { push @{ $conn->{q} }, [ time, $buf ]; }
+		}
+		my $now = time;
+		foreach my $conn (my @all = @conns)
+		{
+			while (@{ $conn->{q} } && $conn->{q}[0][0] + $delay <= $now)
+			{
+				my $d = shift @{ $conn->{q} };
+				proxy_write($conn->{c}, $d->[1]) or do { $drop->($conn); last; };
+			}
+		}
+	}
+	return;
+}
+
+# what the broker sends through proxy $p is held back $secs seconds from now on
+# ("stall": until the next call; 0: no more)
+sub proxy_delay
+{
+	my ($p, $secs) = @_;
+	open my $fh, '>', "$p->{dir}/proxy.delay.tmp" or die;
+	print $fh "$secs\n";
+	close $fh;
+	rename "$p->{dir}/proxy.delay.tmp", "$p->{dir}/proxy.delay" or die;
+	return;
+}
+
+# close every connection through proxy $p (what was held back is dropped); returns once done
+sub proxy_cut
+{
+	my ($p) = @_;
+	open my $fh, '>', "$p->{dir}/proxy.cut" or die;
+	close $fh;
+	wait_until(10, sub { !-e "$p->{dir}/proxy.cut" }) or die 'the proxy did not cut';
 	return;
 }
 

@@ -27,7 +27,11 @@
  * which libnats runs on its reply subscription's thread: it touches only
  * the slots of the wave in flight, under nats_sink.mu, and the main thread
  * frees nothing it may touch before the library holds no pending publish
- * (nats_quiesce).  nats_link_open is source_nats.c's too.
+ * (nats_quiesce).  Each publish times out on its own after --timeout, but
+ * the library settles nothing of a connection that closed: a wave's wait
+ * ends at a backstop (--timeout + 1 s), and what is still pending then is
+ * taken back from the library (logged), so its late acks find nothing.
+ * nats_link_open is source_nats.c's too.
  */
 #include "relay.h"
 
@@ -431,7 +435,10 @@ nats_waves(nats_sink *st)
 		if (st->nwave == 0)
 			break;
 		if (js_PublishAsyncComplete(st->ajs, &wait) != NATS_OK)
+		{
+			log_msg(LOG_WARN, "nats: publishes still pending after the wave's wait: taken back", NULL);
 			nats_quiesce(st);
+		}
 		pthread_mutex_lock(&st->mu);
 		for (i = 0; i < st->nwave; i++)
 		{
