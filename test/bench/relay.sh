@@ -20,7 +20,8 @@
 #           redis (XADD to a stream), nats (JetStream, a stream capturing
 #           the subject), amqp (RabbitMQ, a durable queue by the default
 #           exchange), http (POST to broker_publish serve) and sql (INSERT
-#           into a table of this database, on the sink's own connection).
+#           into a table of this database, on the sink's own connection;
+#           one transaction per batch, and sql_event: --sql-commit event).
 #           After each run the broker must hold exactly the events (XLEN,
 #           stream and queue counts, POSTs counted, rows).
 #   SINK_serial  the same with --prefetch 0 (claim, publish, ack in
@@ -277,6 +278,8 @@ else
     echo 'INSERT INTO bench_sink(id, ev) VALUES (gen_random_uuid(), :ev::jsonb);' >"$tmp/sql_insert.sql"
 fi
 run_sql() { relay --sink sql --sql "$SQL_STMT"; }
+run_sql_event() { relay --sink sql --sql-commit event --sql "$SQL_STMT"; }
+check_sql_event() { check_sql; }
 check_sql() {
     expect_count "$EVENTS" psql -X -At -c 'SELECT count(*) FROM bench_sink'
     psql -X -q -c 'TRUNCATE bench_sink'
@@ -315,7 +318,10 @@ sink_round() {
     fi
     [[ -n $amqp_url ]] && record "amqp$a" timed amqp
     [[ -n $http_url ]] && record "http$a" timed http
-    [[ -n $sql_on ]] && record "sql$a" timed sql
+    if [[ -n $sql_on ]]; then
+        record "sql$a" timed sql
+        record "sql_event$a" timed sql_event
+    fi
     return 0
 }
 
@@ -376,5 +382,6 @@ for PER in "${SHAPES[@]}"; do
     has "http$a" && ratio "relay http vs receiver$w" "idem-relay http" "http$a" "curl POST loop, keep-alive" http_post
     if has "sql$a"; then
         ratio "relay sql vs pgbench$w" "idem-relay sql" "sql$a" "pgbench INSERT, 1 per transaction" sql_insert
+        ratio "relay sql batch vs event$w" "idem-relay sql" "sql$a" "idem-relay sql --sql-commit event" "sql_event$a"
     fi
 done
