@@ -749,9 +749,9 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 
 	for (;;)
 	{
-		IdemPartitionSet *set = idem_partition_set();
-		TimestampTz now = idem_now();
-		uint64		generation = set->generation;
+		IdemPartitionSet *set;
+		TimestampTz now;
+		uint64		generation = 0; /* never a set's: probe all under the lock */
 		IdemPartition *target;
 		ProbeResult res;
 		bool		covers;
@@ -766,10 +766,11 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		 * under the lock instead, which spares a new key a probe of every
 		 * open partition and its filter tests.
 		 */
-		if (call->last_was_new)
-			generation = 0;		/* never a set's: probe all under the lock */
-		else
+		if (!call->last_was_new)
 		{
+			set = idem_partition_set();
+			now = idem_now();
+			generation = set->generation;
 			target = claim_target(set, ck, now, &covers);
 			probe_set(call, set, target, now, dirty, ck, PROBE_ALL, &res);
 			if (res.status == PROBE_BUSY)
