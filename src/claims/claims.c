@@ -18,7 +18,8 @@
  *	   claim was of a new key (the next key of a batch, say) skips this step
  *	   and looks everywhere in step 2 instead: new keys come in runs, and
  *	   that spares a new key one probe of every partition not sealed yet
- *	   and its filter tests;
+ *	   and its filter tests (a duplicate met so queues on the value lock
+ *	   like a new key; the session's next claim looks first again);
  *	2. take the value lock, a transaction-level lock on a hash of
  *	   (scope, key) in a private advisory locktag space, look again in the
  *	   partitions not sealed yet (all of them, filters included, if the
