@@ -14,7 +14,12 @@
  *	   Bloom filters rule most keys out in memory (filters.c).  A committed
  *	   claim found here answers "duplicate" at once: a committed claim stays
  *	   until its retention has passed, so no lock is needed to trust it, and
- *	   a hot key's duplicates never queue;
+ *	   a hot key's duplicates do not queue.  A claim whose backend's last
+ *	   claim was of a new key (the next key of a batch, say) skips this step
+ *	   and looks everywhere in step 2 instead: new keys come in runs, and
+ *	   that spares a new key one probe of every partition not sealed yet
+ *	   and its filter tests (a duplicate met so queues on the value lock
+ *	   like a new key; the session's next claim looks first again);
  *	2. take the value lock, a transaction-level lock on a hash of
  *	   (scope, key) in a private advisory locktag space, look again in the
  *	   partitions not sealed yet (all of them, filters included, if the
@@ -328,13 +333,19 @@ typedef struct OpenPart
 	IdemIndexSet ins;			/* inserts: every index of the partition */
 } OpenPart;
 
+/*
+ * Was this backend's last claim (of idem_claim(), another subsystem's, or a
+ * batch's key) of a new key?  Then the next claim goes straight to the
+ * value lock (claim_key(), step 1): new keys come in runs, as duplicates
+ * do.  Only a guess about the next key, never trusted as a fact about it.
+ */
+static bool last_claim_new = false;
+
 typedef struct ClaimCall
 {
 	SnapshotData dirty;			/* the dirty snapshot of every probe */
-	bool		batch;			/* many keys: after a new one, go straight to
-								 * the value lock (batches tend to be all new
-								 * or all redelivered) */
-	bool		last_was_new;
+	bool		last_was_new;	/* the claim before was of a new key: go
+								 * straight to the value lock */
 	MemoryContext cxt;			/* where what outlives one key lives */
 	int			nparts;
 	int			maxparts;
@@ -342,11 +353,10 @@ typedef struct ClaimCall
 } ClaimCall;
 
 static void
-claim_call_init(ClaimCall *call, bool batch)
+claim_call_init(ClaimCall *call)
 {
 	InitDirtySnapshot(call->dirty);
-	call->batch = batch;
-	call->last_was_new = false;
+	call->last_was_new = last_claim_new;
 	call->cxt = CurrentMemoryContext;
 	call->nparts = 0;
 	call->maxparts = 4;
@@ -740,9 +750,9 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 
 	for (;;)
 	{
-		IdemPartitionSet *set = idem_partition_set();
-		TimestampTz now = idem_now();
-		uint64		generation = set->generation;
+		IdemPartitionSet *set;
+		TimestampTz now;
+		uint64		generation = 0; /* never a set's: probe all under the lock */
 		IdemPartition *target;
 		ProbeResult res;
 		bool		covers;
@@ -752,14 +762,16 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 		bool		is_late = false;
 
 		/*
-		 * 1. without the value lock: a committed claim is final.  A batch
-		 * whose last key was new skips this and looks everywhere under the
-		 * lock instead, which costs one probe less for a new key.
+		 * 1. without the value lock: a committed claim is final.  A claim
+		 * whose last one was of a new key skips this and looks everywhere
+		 * under the lock instead, which spares a new key a probe of every
+		 * open partition and its filter tests.
 		 */
-		if (call->batch && call->last_was_new)
-			generation = 0;		/* never a set's: probe all under the lock */
-		else
+		if (!call->last_was_new)
 		{
+			set = idem_partition_set();
+			now = idem_now();
+			generation = set->generation;
 			target = claim_target(set, ck, now, &covers);
 			probe_set(call, set, target, now, dirty, ck, PROBE_ALL, &res);
 			if (res.status == PROBE_BUSY)
@@ -769,6 +781,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 			}
 			if (res.status == PROBE_FOUND)
 			{
+				last_claim_new = false;
 				check_payload(ck, &res);
 				idem_stats_count_scope(ck->scope, IDEM_STAT_DUPLICATES, 1);
 				return false;
@@ -811,6 +824,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 
 		if (ins == INSERT_DONE)
 		{
+			call->last_was_new = last_claim_new = true;
 			idem_stats_count_scope(ck->scope, IDEM_STAT_CLAIMS, 1);
 			if (is_late)
 				idem_late_claimed(ck->scope, ck->key, &late);
@@ -820,6 +834,7 @@ claim_key(ClaimCall *call, ClaimKey *ck)
 			XactLockTableWait(res.xwait, NULL, NULL, XLTW_None);
 		else if (res.status == PROBE_FOUND)
 		{
+			call->last_was_new = last_claim_new = false;
 			check_payload(ck, &res);
 			idem_stats_count_scope(ck->scope, IDEM_STAT_DUPLICATES, 1);
 			return false;
@@ -867,7 +882,7 @@ claim_one(ClaimKey *ck, Jsonb *payload, const char *fname, const char *capname)
 	if (payload != NULL)
 		idem_payload_digest(payload, ck->digest);
 	check_can_claim(fname, capname, ck->scope);
-	claim_call_init(&call, false);
+	claim_call_init(&call);
 	claimed = claim_key(&call, ck);
 	claim_call_close(&call);
 	return claimed;
@@ -988,7 +1003,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	 * Claim in byte order, each distinct key once (at its first occurrence),
 	 * each in a memory context of its own, reset after it.
 	 */
-	claim_call_init(&call, true);
+	claim_call_init(&call);
 	keycxt = AllocSetContextCreate(CurrentMemoryContext, "idem_claim_many key",
 								   ALLOCSET_DEFAULT_SIZES);
 	for (int j = 0; j < nelems; j++)
@@ -1003,7 +1018,6 @@ idem_claim_many(PG_FUNCTION_ARGS)
 		ck.hash = idem_key_hash(ck.scope, ck.key);
 		oldcxt = MemoryContextSwitchTo(keycxt);
 		claimed[i] = claim_key(&call, &ck);
-		call.last_was_new = claimed[i];
 		MemoryContextSwitchTo(oldcxt);
 		MemoryContextReset(keycxt);
 	}
@@ -1041,7 +1055,7 @@ idem_claimed(PG_FUNCTION_ARGS)
 	idem_capability_require("idem_claimed", IDEM_CAP_HANDLER, IDEM_AXIS_SCOPE,
 							text_to_cstring(ck.scope));
 	set = idem_partition_set();
-	claim_call_init(&call, false);
+	claim_call_init(&call);
 	probe_set(&call, set, claim_target(set, &ck, now, &covers), now,
 			  GetActiveSnapshot(), &ck, PROBE_ALL, &res);
 	claim_call_close(&call);
@@ -1091,7 +1105,7 @@ idem_release(PG_FUNCTION_ARGS)
 							text_to_cstring(ck.scope));
 	PreventCommandIfReadOnly("idem_release()");
 
-	claim_call_init(&call, false);
+	claim_call_init(&call);
 	value_locktag(&tag, &ck);
 	LockAcquire(&tag, ExclusiveLock, false, false);
 	for (;;)

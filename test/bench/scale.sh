@@ -43,6 +43,15 @@
 #   8 many-new / many-dup
 #               idem_claim_many of 1000 keys vs INSERT ... SELECT FROM unnest(...)
 #               ON CONFLICT DO NOTHING RETURNING key, new and duplicate keys
+#  10 cpu       backend CPU per new key (perf stat -e task-clock on the one
+#               backend, a statement claiming IDEM_SCALE_CPU_KEYS (default
+#               20 000) new keys in one transaction, after a warm-up
+#               statement in the same session; a PL/pgSQL loop runs one
+#               statement per key or per 1000), ours against INSERT ON
+#               CONFLICT DO NOTHING one row and 1000 rows at a time: idem_claim of new keys, the same while
+#               maintenance lags (as case 7), idem_claim_many of 1000; for
+#               machines too busy for tps to mean much.  Ratio: baseline
+#               CPU / ours (higher is better, as for tps).  Needs perf.
 #   9 late      new keys, ours with idempotency.late_duplicate_window at its
 #               default (on) against ours with it 0 (off, the baseline here):
 #               what late-duplicate detection costs beside 3 summaries of
@@ -54,6 +63,7 @@
 # Settings: IDEM_SCALE_SHAPES (default "a b c d"), IDEM_SCALE_D_SEALED (default 99), IDEM_SCALE_CLAIMS_PER_PARTITION
 # (default 1050000), IDEM_SCALE_MODES (default "local preloaded"),
 # IDEM_SCALE_CASES (default "new dup hot32 conn first lag many-new many-dup late";
+# "cpu" is not a default),
 # memory is always measured), IDEM_SCALE_KEEP=1 keeps the shape databases; rounds, seconds and clients from
 # lib.sh (IDEM_BENCH_ROUNDS, IDEM_BENCH_SECONDS, IDEM_BENCH_CLIENTS).
 set -euo pipefail
@@ -86,6 +96,8 @@ cleanup() {
 trap cleanup EXIT
 
 q() { psql -X -q -At -v ON_ERROR_STOP=1 "$@"; }
+# lag_offset DB: a clock offset (s) an hour past the newest partition, for case 7
+lag_offset() { q -d "$1" -c "SELECT ceil(extract(epoch FROM max(upper) - now()))::bigint + 3600 FROM idempotency.partition_registry"; }
 scaled() { awk -v n="$1" -v c="$CPP" 'BEGIN { v = int(n * c / 1050000 + 0.5); print (v < 1 ? 1 : v) }'; }
 
 # ---------------------------------------------------------------- building
@@ -186,7 +198,7 @@ SET maintenance_work_mem = '1GB';
 VACUUM (ANALYZE);
 CHECKPOINT;
 SQL
-    INFO[${name}_lag]=$(q -d "$db" -c "SELECT ceil(extract(epoch FROM max(upper) - now()))::bigint + 3600 FROM idempotency.partition_registry")
+    INFO[${name}_lag]=$(lag_offset "$db")
     INFO[${name}_desc]=$(q -d "$db" <<SQL
 SELECT format('%s claims (%s in bench_plain) in %s partitions holding claims, %s per partition; '
               '%s sealed with a Bloom filter, %s live in all (%s); claims %s, bench_plain %s',
@@ -229,13 +241,54 @@ memory() {
     echo "$(sed -n 2p <<<"$ours") $base $(sed -n 3p <<<"$ours")"
 }
 
+# key_cpu DB N KIND [PGOPTIONS]: microseconds of backend CPU per key of one
+# statement claiming (or inserting) N new keys (KIND: claim, many, insert,
+# insert-many), measured by perf stat on the session's backend after a
+# warm-up statement of 1000 keys in the same session
+key_cpu() {
+    local db=$1 n=$2 kind=$3 opts=${4:-} pidf pid ps pf out base sql warm
+    base=$((NEW_LO + (RANDOM * 32768 + RANDOM) * 100000))
+    cpu_sql() {
+        case $kind in
+            claim) echo "DO \$\$ BEGIN FOR g IN 1..$1 LOOP PERFORM idem_claim(($2 + g)::text); END LOOP; END \$\$" ;;
+            many) echo "DO \$\$ BEGIN FOR b IN 0..$1 / 1000 - 1 LOOP PERFORM count(*) FROM idem_claim_many(ARRAY(SELECT ($2 + b * 1000 + g)::text FROM generate_series(0, 999) g)); END LOOP; END \$\$" ;;
+            insert) echo "DO \$\$ BEGIN FOR g IN 1..$1 LOOP INSERT INTO bench_plain (scope, key) VALUES ('default', ($2 + g)::text) ON CONFLICT DO NOTHING; END LOOP; END \$\$" ;;
+            insert-many) echo "DO \$\$ BEGIN FOR b IN 0..$1 / 1000 - 1 LOOP INSERT INTO bench_plain (scope, key) SELECT 'default', k FROM unnest(ARRAY(SELECT ($2 + b * 1000 + g)::text FROM generate_series(0, 999) g)) k ON CONFLICT DO NOTHING; END LOOP; END \$\$" ;;
+        esac
+    }
+    sql=$(cpu_sql "$n" "$base")
+    warm=$(cpu_sql 1000 $((base + n + 1000)))
+    pidf=$(mktemp)
+    out=$(mktemp)
+    PGOPTIONS="-c synchronous_commit=off $opts" psql -X -q -At -d "$db" -v ON_ERROR_STOP=1 >/dev/null <<SQL &
+\o $pidf
+SELECT pg_backend_pid();
+\o /dev/null
+BEGIN; $warm; COMMIT;
+SELECT pg_sleep(0.5);
+BEGIN; $sql; COMMIT;
+SQL
+    ps=$!
+    while [[ ! -s $pidf ]] && kill -0 "$ps" 2>/dev/null; do sleep 0.05; done
+    pid=$(cat "$pidf")
+    sleep 0.25
+    perf stat -x, -e task-clock -p "$pid" -o "$out" 2>/dev/null &
+    pf=$!
+    wait "$ps"
+    kill -INT "$pf" 2>/dev/null
+    wait "$pf" 2>/dev/null
+    awk -F, -v n="$n" '/task-clock/ { printf "%.2f\n", $1 * 1000 / n }' "$out"
+    rm -f "$pidf" "$out"
+}
+CPU_KEYS=${IDEM_SCALE_CPU_KEYS:-20000}
+
 read -r -a CASES <<<"${IDEM_SCALE_CASES:-new dup hot32 conn first lag many-new many-dup late}"
 
 bench_shape() {
     local name=$1 mode=$2 db=idem_scale_$1 r c b i
     local dlo=${INFO[${name}_dup_lo]} dhi=${INFO[${name}_dup_hi]} mhi
     mhi=$((dhi - 999 > dlo ? dhi - 999 : dlo))
-    declare -A O=() B=()
+    declare -A O=() B=() CO=() CB=()
     local -a mem
     read -r -a mem <<<"$(memory "$db")"
     RES[$name,$mode,memory]=$(awk -v o="${mem[0]}" -v b="${mem[1]}" \
@@ -244,6 +297,12 @@ bench_shape() {
     printf '  shape %s, %s: backend memory after one claim %s MB vs after one insert; filters %s\n' \
         "$name" "$mode" "${RES[$name,$mode,memory]%% (*}" "${RES[$name,$mode,filters]}"
     for r in $(seq "$ROUNDS"); do
+        # no job runs maintenance in the shape's database: run it as one
+        # would, so that a round after an hour boundary (shape d) does not
+        # find the past partition still open (two probes for a new key);
+        # it may premake one more partition, which case 7's clock must pass
+        q -d "$db" -c "SELECT count(*) FROM idem_maintain()" >/dev/null
+        INFO[${name}_lag]=$(lag_offset "$db")
         for c in "${CASES[@]}"; do
             case $c in
                 new)   b=$(PGDATABASE=$db bench_tps scale_claim_plain.sql -D lo=$NEW_LO -D hi=$NEW_HI)
@@ -263,6 +322,17 @@ bench_shape() {
                           i=$(PGDATABASE=$db bench_tps scale_many_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI) ;;
                 many-dup) b=$(PGDATABASE=$db bench_tps scale_many_plain.sql -D lo="$dlo" -D hi="$mhi")
                           i=$(PGDATABASE=$db bench_tps scale_many_idem.sql -D lo="$dlo" -D hi="$mhi") ;;
+                cpu)   if ! command -v perf >/dev/null; then
+                           echo "  cpu: perf not found (Debian: linux-perf); not measured" >&2
+                           continue
+                       fi
+                       CB[claim]+="$(key_cpu "$db" "$CPU_KEYS" insert) "
+                       CO[claim]+="$(key_cpu "$db" "$CPU_KEYS" claim) "
+                       CB[lag]+="$(key_cpu "$db" "$CPU_KEYS" insert) "
+                       CO[lag]+="$(key_cpu "$db" "$CPU_KEYS" claim "-c idempotency.debug_clock_offset=${INFO[${name}_lag]}") "
+                       CB[many]+="$(key_cpu "$db" "$CPU_KEYS" insert-many) "
+                       CO[many]+="$(key_cpu "$db" "$CPU_KEYS" many) "
+                       continue ;;
                 late)  b=$(PGDATABASE=$db PGOPTIONS="-c idempotency.late_duplicate_window=0" \
                            bench_tps scale_claim_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI)
                        i=$(PGDATABASE=$db bench_tps scale_claim_idem.sql -D lo=$NEW_LO -D hi=$NEW_HI) ;;
@@ -270,13 +340,28 @@ bench_shape() {
             B[$c]+="$b " O[$c]+="$i "
         done
         printf '  shape %s, %s, round %d:' "$name" "$mode" "$r"
+        for c in "${!CO[@]}"; do
+            local co=(${CO[$c]}) cb=(${CB[$c]})
+            printf ' cpu-%s %s/%s us' "$c" "${co[-1]}" "${cb[-1]}"
+        done
         for c in "${CASES[@]}"; do
+            [[ $c == cpu ]] && continue
             local ob=(${O[$c]}) bb=(${B[$c]})
             printf ' %s %.0f/%.0f' "$c" "${ob[-1]}" "${bb[-1]}"
         done
         echo
     done
+    for c in claim lag many; do
+        [[ -n ${CO[$c]:-} ]] || continue
+        local cm bm
+        cm=$(bench_median ${CO[$c]})
+        bm=$(bench_median ${CB[$c]})
+        awk -v l="scale ($name, $mode) cpu $c" -v o="$cm" -v b="$bm" \
+            'BEGIN { printf "%s: ours %.2f us vs baseline %.2f us of backend CPU per key = %.2fx\n", l, o, b, b / o }'
+        RES[$name,$mode,cpu-$c]=$(awk -v o="$cm" -v b="$bm" 'BEGIN { printf "**%.2fx** (%.2f / %.2f)", b / o, o, b }')
+    done
     for c in "${CASES[@]}"; do
+        [[ $c == cpu ]] && continue
         local om bm
         om=$(bench_median ${O[$c]})
         bm=$(bench_median ${B[$c]})
@@ -337,12 +422,12 @@ for s in $SHAPES; do
     esac
 done
 echo
-echo "| shape | mode | 1 new | 2 dup | 3 hot key, 32 clients | 4 connect per txn | 5 first claim ms (ours / base) | 6 backend MB (ours / base) | 7 lagging maintenance | 8 many new | 8 many dup | 9 late check on / off | filters (filter_status after 1 claim; shared: all databases) |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| shape | mode | 1 new | 2 dup | 3 hot key, 32 clients | 4 connect per txn | 5 first claim ms (ours / base) | 6 backend MB (ours / base) | 7 lagging maintenance | 8 many new | 8 many dup | 9 late check on / off | 10 CPU per key, new (us ours / base) | 10 lagging | 10 many new | filters (filter_status after 1 claim; shared: all databases) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for s in $SHAPES; do
     for mode in $MODES; do
         printf '| %s | %s |' "$s" "$mode"
-        for c in new dup hot32 conn first memory lag many-new many-dup late filters; do
+        for c in new dup hot32 conn first memory lag many-new many-dup late cpu-claim cpu-lag cpu-many filters; do
             printf ' %s |' "${RES[$s,$mode,$c]:--}"
         done
         echo
