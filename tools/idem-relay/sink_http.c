@@ -18,11 +18,12 @@
  * as above; a run stops at its first failure; a refused connection stops
  * every run (the relay reopens the sink), and so do SIGTERM and a third of
  * the lease gone, checked before each POST starts (what is left goes one at
- * a time, which extends the lease).  The multi handle's connection cache
+ * a time, which extends the lease): the waves end by then plus --timeout,
+ * each POST's own limit.  The multi handle's connection cache
  * (at most N connections to the host) keeps connections across waves and
  * batches.  With N = 1 send_run declines: the batch goes one at a time.
  *
- * Main thread only (libcurl runs no thread of its own here).
+ * Main thread only.
  */
 #include "relay.h"
 
@@ -333,6 +334,7 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 	while (active > 0 || (next < nwave && !*why))
 	{
 		CURLMsg    *m;
+		CURLMcode	mc;
 		int			left,
 					running;
 
@@ -369,8 +371,27 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 		}
 		if (active == 0)
 			break;
-		if (curl_multi_perform(st->multi, &running) != CURLM_OK)
-			running = 0;
+		mc = curl_multi_perform(st->multi, &running);
+		if (mc != CURLM_OK)
+		{
+			/* the multi handle is unusable: what is in flight fails, nothing more starts */
+			for (int c = 0; c < st->concurrency; c++)
+			{
+				http_conn  *hc = &st->conns[c];
+				sink_run   *run;
+
+				if (hc->slot < 0)
+					continue;
+				run = &st->runs[st->slots[hc->slot].run];
+				run->res = SINK_RETRY;
+				snprintf(run->err, sizeof(run->err), "%s", curl_multi_strerror(mc));
+				curl_multi_remove_handle(st->multi, hc->curl);
+				hc->slot = -1;
+			}
+			if (!*why)
+				*why = "not sent: the multi handle failed";
+			break;
+		}
 		while ((m = curl_multi_info_read(st->multi, &left)) != NULL)
 		{
 			http_conn  *hc = NULL;
