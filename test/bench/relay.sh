@@ -19,7 +19,8 @@
 #           /dev/null) and each sink compiled in whose broker is installed:
 #           redis (XADD to a stream), nats (JetStream, a stream capturing
 #           the subject), amqp (RabbitMQ, a durable queue by the default
-#           exchange), http (POST to broker_publish serve) and sql (INSERT
+#           exchange), http (POST to broker_publish serve; and http_c8:
+#           --http-concurrency 8, a batch's POSTs in waves, 8 at once) and sql (INSERT
 #           into a table of this database, on the sink's own connection;
 #           one transaction per batch, and sql_event: --sql-commit event).
 #           After each run the broker must hold exactly the events (XLEN,
@@ -262,6 +263,8 @@ fi
 http_count() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$http_port/count').read().decode().strip())"; }
 run_http() { relay --sink http --url "$http_url"; }
 check_http() { expect_count "$EVENTS" http_count; }
+run_http_c8() { relay --sink http --url "$http_url" --http-concurrency 8; }
+check_http_c8() { check_http; }
 http_rate() {
     "$bp" http "$http_url" "$EVENTS" <"$tmp/event.json"
     check_http
@@ -317,7 +320,10 @@ sink_round() {
         record "nats_serial$a" timed nats_serial
     fi
     [[ -n $amqp_url ]] && record "amqp$a" timed amqp
-    [[ -n $http_url ]] && record "http$a" timed http
+    if [[ -n $http_url ]]; then
+        record "http$a" timed http
+        record "http_c8$a" timed http_c8
+    fi
     if [[ -n $sql_on ]]; then
         record "sql$a" timed sql
         record "sql_event$a" timed sql_event
@@ -357,7 +363,7 @@ has() { [[ " ${names[*]} " == *" $1 "* ]]; }
 for PER in "${SHAPES[@]}"; do
     a=_a$PER w=" ($PER/aggregate)"
     ratio "relay stdout$w" "idem-relay stdout" "stdout$a" "drain alone" "drain$a"
-    for s in redis nats amqp http sql; do
+    for s in redis nats amqp http http_c8 sql; do
         has "$s$a" && ratio "relay $s$w" "idem-relay $s" "$s$a" "drain alone" "drain$a"
     done
     ratio "relay stdout overlap vs serial$w" "idem-relay stdout" "stdout$a" "idem-relay stdout --prefetch 0" "stdout_serial$a"
@@ -380,6 +386,8 @@ for PER in "${SHAPES[@]}"; do
         ratio "relay amqp vs broker all async$w" "idem-relay amqp" "amqp$a" "amqp publish, confirms at the end" amqp_pub_all
     fi
     has "http$a" && ratio "relay http vs receiver$w" "idem-relay http" "http$a" "curl POST loop, keep-alive" http_post
+    has "http_c8$a" &&
+        ratio "relay http concurrency 8 vs 1$w" "idem-relay http --http-concurrency 8" "http_c8$a" "idem-relay http" "http$a"
     if has "sql$a"; then
         ratio "relay sql vs pgbench$w" "idem-relay sql" "sql$a" "pgbench INSERT, 1 per transaction" sql_insert
         ratio "relay sql batch vs event$w" "idem-relay sql" "sql$a" "idem-relay sql --sql-commit event" "sql_event$a"

@@ -47,6 +47,8 @@ static const option_def options[] = {
 	"sql: the statement run per event on the sink's connection, $1 the event as JSON, $2 its id"},
 	{"sql-commit", 0, O_STRING, OFF(sql_commit), "batch|event",
 	"sql: one transaction per batch (default; a failed one goes again event by event) or per event"},
+	{"http-concurrency", 0, O_INT, OFF(http_concurrency), "N",
+	"http: POSTs of a batch in flight at once, never two of one aggregate (default 1: one at a time)"},
 	{"types", 't', O_STRING, OFF(types), "LIST", "comma-separated aggregate types to take (default: all)"},
 	{"subscription", 0, O_STRING, OFF(subscription), "NAME",
 	"the outbox subscription to deliver (default: default); one relay process per subscription and sink"},
@@ -364,6 +366,10 @@ check(relay_config *cfg, int sink_given)
 		config_error("--sql is for --sink sql only%s%s", "", "");
 	if (strcmp(cfg->sql_commit, "batch") != 0 && strcmp(cfg->sql_commit, "event") != 0)
 		config_error("invalid --sql-commit \"%s\": batch or event%s", cfg->sql_commit, "");
+	if (cfg->http_concurrency < 1 || cfg->http_concurrency > 1000)
+		config_error("--http-concurrency must be from 1 to 1000%s%s", "", "");
+	if (cfg->http_concurrency != 1 && (!sink || strcmp(sink->name, "http") != 0))
+		config_error("--http-concurrency is for --sink http only%s%s", "", "");
 }
 
 void
@@ -381,6 +387,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->exchange = "";
 	cfg->sql = "";
 	cfg->sql_commit = "batch";
+	cfg->http_concurrency = 1;
 	cfg->types = "";
 	cfg->subscription = "default";
 	cfg->metrics_listen = "";

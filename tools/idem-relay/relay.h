@@ -45,6 +45,7 @@ typedef struct relay_config
 	const char *exchange;		/* amqp: the exchange ("" = the default one) */
 	const char *sql;			/* sql: the statement run per event ("" = none) */
 	const char *sql_commit;		/* sql: "batch" (a transaction per batch) or "event" */
+	int			http_concurrency;	/* http: POSTs of a batch at once (1: one at a time) */
 	const char *types;			/* comma-separated aggregate types, "" = all */
 	const char *subscription;	/* the outbox subscription it delivers */
 	const char *metrics_listen; /* host:port, "" = none */
@@ -197,7 +198,7 @@ typedef struct sink_ops
 	const sink_ops var = {nm, url, target, open_fn, publish_fn, NULL, close_fn, send_fn, recv_fn}
 
 /*
- * A sink that publishes the runs send_run queued in waves (nats, amqp):
+ * A sink that publishes the runs send_run queued in waves (nats, amqp, http):
  * each run's progress, and the recv_run they share.
  */
 typedef struct sink_run
