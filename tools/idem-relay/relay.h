@@ -210,6 +210,34 @@ typedef struct sink_run
 	char		err[256];
 } sink_run;
 
+/*
+ * The runs of a batch as send_run queues them, for a sink that publishes
+ * them later (sql, http): each event's json and id copied, with the run it
+ * is of; runs[] as sink_runs_recv reads them.
+ */
+typedef struct sink_queued
+{
+	char	   *json;
+	char	   *id;
+	int			run;			/* its run, an index into runs */
+} sink_queued;
+
+typedef struct sink_queue
+{
+	sink_run   *runs;
+	int			nruns,
+				runcap;
+	sink_queued *evs;
+	int			nev,
+				evcap;
+} sink_queue;
+
+/* queue one aggregate's run of n events: 0, or -1 (out of memory, in err) */
+int			sink_queue_run(sink_queue *q, const relay_event *evs, int n, char *err, size_t errlen);
+/* forget what is queued (the arrays stay), or free it all */
+void		sink_queue_clear(sink_queue *q);
+void		sink_queue_free(sink_queue *q);
+
 /* every run not wholly confirmed and not failed fails with res and why */
 void		sink_runs_fail_rest(sink_run *runs, int nruns, sink_result res, const char *why);
 

@@ -4,13 +4,15 @@
  * always), lookup by name, and the
  * target template: {aggregate_type}, {event_type} and {aggregate_id}
  * replaced by the event's values, anything else kept as written; and
- * the bookkeeping of the sinks that publish a batch's runs in waves.
+ * the bookkeeping of the sinks that publish a batch's runs in waves, and
+ * the queue of the sinks that publish a batch's runs after copying them.
  *
  * No state: called from the main thread.
  */
 #include "relay.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const sink_ops *const sinks[] = {
@@ -131,4 +133,82 @@ sink_runs_recv(void *state, sink_run *runs, int nruns, int *nread, int *waved,
 	if (*nread == nruns)
 		reset(state);
 	return res;
+}
+
+int
+sink_queue_run(sink_queue *q, const relay_event *evs, int n, char *err, size_t errlen)
+{
+	sink_run   *run;
+
+	if (q->nruns == q->runcap)
+	{
+		int			cap = q->runcap ? q->runcap * 2 : 64;
+		sink_run   *r = realloc(q->runs, (size_t) cap * sizeof(*r));
+
+		if (!r)
+			goto oom;
+		q->runs = r;
+		q->runcap = cap;
+	}
+	if (q->nev + n > q->evcap)
+	{
+		int			cap = q->evcap ? q->evcap : 128;
+		sink_queued *e;
+
+		while (cap < q->nev + n)
+			cap *= 2;
+		e = realloc(q->evs, (size_t) cap * sizeof(*e));
+		if (!e)
+			goto oom;
+		q->evs = e;
+		q->evcap = cap;
+	}
+	for (int i = 0; i < n; i++)
+	{
+		sink_queued *e = &q->evs[q->nev + i];
+
+		e->run = q->nruns;
+		e->json = strdup(evs[i].json);
+		e->id = strdup(evs[i].id);
+		if (!e->json || !e->id)
+		{
+			for (int j = 0; j <= i; j++)
+			{
+				free(q->evs[q->nev + j].json);
+				free(q->evs[q->nev + j].id);
+			}
+			goto oom;
+		}
+	}
+	run = &q->runs[q->nruns++];
+	memset(run, 0, sizeof(*run));
+	run->first = q->nev;
+	run->n = n;
+	run->res = SINK_OK;
+	q->nev += n;
+	return 0;
+oom:
+	snprintf(err, errlen, "out of memory");
+	return -1;
+}
+
+void
+sink_queue_clear(sink_queue *q)
+{
+	for (int i = 0; i < q->nev; i++)
+	{
+		free(q->evs[i].json);
+		free(q->evs[i].id);
+	}
+	q->nev = 0;
+	q->nruns = 0;
+}
+
+void
+sink_queue_free(sink_queue *q)
+{
+	sink_queue_clear(q);
+	free(q->runs);
+	free(q->evs);
+	memset(q, 0, sizeof(*q));
 }

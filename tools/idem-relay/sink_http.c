@@ -42,14 +42,6 @@ typedef struct http_conn
 	int			slot;			/* the event it is POSTing (pipelined), -1 = idle */
 } http_conn;
 
-/* one event of the runs queued: copies, since the waves run later */
-typedef struct http_slot
-{
-	char	   *json;
-	char	   *id;
-	int			run;
-} http_slot;
-
 typedef struct http_state
 {
 	http_conn	one;			/* the one-at-a-time path */
@@ -58,13 +50,9 @@ typedef struct http_state
 	/* pipelined: the multi handle and its easy handles (concurrency of them) */
 	CURLM	   *multi;
 	http_conn  *conns;
-	http_slot  *slots;
-	int			nslots,
-				slotcap;
-	sink_run   *runs;
-	int			nruns,
-				runcap;
-	int		   *wave;			/* the slots of the wave being sent */
+	sink_queue	q;				/* the runs queued, their events copied */
+	int		   *wave;			/* the events of the wave being sent */
+	int			wavecap;
 	int			nread;			/* runs recv_run returned */
 	int			waved;			/* the waves of the runs queued ran */
 } http_state;
@@ -153,12 +141,8 @@ http_result(http_conn *c, CURLcode rc, char *err, size_t errlen)
 static void
 http_reset(http_state *st)
 {
-	for (int i = 0; i < st->nslots; i++)
-	{
-		free(st->slots[i].json);
-		free(st->slots[i].id);
-	}
-	st->nslots = st->nruns = st->nread = st->waved = 0;
+	sink_queue_clear(&st->q);
+	st->nread = st->waved = 0;
 }
 
 static void
@@ -181,8 +165,7 @@ http_close(void *state)
 		curl_easy_cleanup(st->one.curl);
 	curl_slist_free_all(st->one.headers);
 	free(st->conns);
-	free(st->slots);
-	free(st->runs);
+	sink_queue_free(&st->q);
 	free(st->wave);
 	free(st);
 }
@@ -251,7 +234,6 @@ http_send_run(void *state, const relay_event *evs, const char *const *targets, i
 			  char *err, size_t errlen)
 {
 	http_state *st = state;
-	sink_run   *run;
 
 	(void) targets;
 	if (st->concurrency <= 1)
@@ -261,61 +243,7 @@ http_send_run(void *state, const relay_event *evs, const char *const *targets, i
 	}
 	if (st->waved)
 		http_reset(st);			/* a new batch (the last one read to its end or dropped) */
-	if (st->nruns == st->runcap)
-	{
-		int			cap = st->runcap ? st->runcap * 2 : 64;
-		sink_run   *r = realloc(st->runs, (size_t) cap * sizeof(*r));
-		int		   *w;
-
-		if (!r)
-			goto oom;
-		st->runs = r;
-		w = realloc(st->wave, (size_t) cap * sizeof(*w));
-		if (!w)
-			goto oom;
-		st->wave = w;
-		st->runcap = cap;
-	}
-	if (st->nslots + n > st->slotcap)
-	{
-		int			cap = st->slotcap ? st->slotcap : 128;
-		http_slot  *s;
-
-		while (cap < st->nslots + n)
-			cap *= 2;
-		s = realloc(st->slots, (size_t) cap * sizeof(*s));
-		if (!s)
-			goto oom;
-		st->slots = s;
-		st->slotcap = cap;
-	}
-	for (int i = 0; i < n; i++)
-	{
-		http_slot  *sl = &st->slots[st->nslots + i];
-
-		sl->run = st->nruns;
-		sl->json = strdup(evs[i].json);
-		sl->id = strdup(evs[i].id);
-		if (!sl->json || !sl->id)
-		{
-			for (int j = 0; j <= i; j++)
-			{
-				free(st->slots[st->nslots + j].json);
-				free(st->slots[st->nslots + j].id);
-			}
-			goto oom;
-		}
-	}
-	run = &st->runs[st->nruns++];
-	memset(run, 0, sizeof(*run));
-	run->first = st->nslots;
-	run->n = n;
-	run->res = SINK_OK;
-	st->nslots += n;
-	return 0;
-oom:
-	snprintf(err, errlen, "out of memory");
-	return -1;
+	return sink_queue_run(&st->q, evs, n, err, errlen);
 }
 
 /*
@@ -341,7 +269,7 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 		for (int c = 0; c < st->concurrency && next < nwave && !*why; c++)
 		{
 			http_conn  *hc = &st->conns[c];
-			http_slot  *sl;
+			sink_queued *sl;
 
 			if (hc->slot >= 0)
 				continue;
@@ -355,11 +283,11 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 				*why = "not sent in waves: a third of the lease has gone";
 				break;
 			}
-			sl = &st->slots[st->wave[next]];
+			sl = &st->q.evs[st->wave[next]];
 			if (http_conn_prepare(hc, sl->json, sl->id) != 0 ||
 				curl_multi_add_handle(st->multi, hc->curl) != CURLM_OK)
 			{
-				sink_run   *run = &st->runs[sl->run];
+				sink_run   *run = &st->q.runs[sl->run];
 
 				run->res = SINK_RETRY;
 				snprintf(run->err, sizeof(run->err), "out of memory");
@@ -382,7 +310,7 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 
 				if (hc->slot < 0)
 					continue;
-				run = &st->runs[st->slots[hc->slot].run];
+				run = &st->q.runs[st->q.evs[hc->slot].run];
 				run->res = SINK_RETRY;
 				snprintf(run->err, sizeof(run->err), "%s", curl_multi_strerror(mc));
 				curl_multi_remove_handle(st->multi, hc->curl);
@@ -404,7 +332,7 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 					hc = &st->conns[c];
 			if (!hc || hc->slot < 0)
 				continue;
-			run = &st->runs[st->slots[hc->slot].run];
+			run = &st->q.runs[st->q.evs[hc->slot].run];
 			run->res = http_result(hc, m->data.result, run->err, sizeof(run->err));
 			if (run->res == SINK_OK)
 				run->confirmed++;
@@ -431,13 +359,26 @@ http_waves(void *state)
 	const char *why = NULL;
 	sink_result why_res = SINK_RETRY;
 
+	/* a wave holds at most one event of each run */
+	if (st->wavecap < st->q.nruns)
+	{
+		int		   *w = realloc(st->wave, (size_t) st->q.runcap * sizeof(*w));
+
+		if (!w)
+		{
+			sink_runs_fail_rest(st->q.runs, st->q.nruns, SINK_RETRY, "out of memory");
+			return;
+		}
+		st->wave = w;
+		st->wavecap = st->q.runcap;
+	}
 	for (int w = 0; !why; w++)
 	{
 		int			nwave = 0;
 
-		for (int r = 0; r < st->nruns; r++)
+		for (int r = 0; r < st->q.nruns; r++)
 		{
-			sink_run   *run = &st->runs[r];
+			sink_run   *run = &st->q.runs[r];
 
 			if (run->res == SINK_OK && run->confirmed == w && w < run->n)
 				st->wave[nwave++] = run->first + w;
@@ -447,7 +388,7 @@ http_waves(void *state)
 		http_wave(st, nwave, deadline, &why, &why_res);
 	}
 	if (why)
-		sink_runs_fail_rest(st->runs, st->nruns, why_res, why);
+		sink_runs_fail_rest(st->q.runs, st->q.nruns, why_res, why);
 }
 
 static void
@@ -461,7 +402,7 @@ http_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 {
 	http_state *st = state;
 
-	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
+	return sink_runs_recv(st, st->q.runs, st->q.nruns, &st->nread, &st->waved,
 						  http_waves, http_reset_of, confirmed, err, errlen);
 }
 

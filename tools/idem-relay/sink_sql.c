@@ -49,14 +49,7 @@ typedef struct sql_sink
 	PGconn	   *conn;
 	int			per_event;		/* --sql-commit event: no batch transactions */
 	double		lease;			/* --lease: a batch's transaction ends by a third of it */
-	/* the runs of the batch in hand (send_run), their events' json and id */
-	sink_run   *runs;
-	int			nruns,
-				runcap;
-	char	  **json;
-	char	  **id;
-	int			nev,
-				evcap;
+	sink_queue	q;				/* the runs of the batch in hand (send_run) */
 	int			nread;			/* runs recv_run returned */
 	int			waved;			/* the batch's transaction ran */
 } sql_sink;
@@ -67,13 +60,7 @@ sql_reset(void *state)
 {
 	sql_sink   *st = state;
 
-	for (int i = 0; i < st->nev; i++)
-	{
-		free(st->json[i]);
-		free(st->id[i]);
-	}
-	st->nev = 0;
-	st->nruns = 0;
+	sink_queue_clear(&st->q);
 	st->nread = 0;
 	st->waved = 0;
 }
@@ -83,10 +70,7 @@ sql_close(void *state)
 {
 	sql_sink   *st = state;
 
-	sql_reset(st);
-	free(st->runs);
-	free(st->json);
-	free(st->id);
+	sink_queue_free(&st->q);
 	PQfinish(st->conn);
 	free(st);
 }
@@ -242,7 +226,6 @@ sql_send_run(void *state, const relay_event *evs, const char *const *targets, in
 			 char *err, size_t errlen)
 {
 	sql_sink   *st = state;
-	sink_run   *run;
 
 	(void) targets;
 	if (st->per_event)
@@ -250,55 +233,7 @@ sql_send_run(void *state, const relay_event *evs, const char *const *targets, in
 		snprintf(err, errlen, "--sql-commit event: one transaction per event");
 		return -1;
 	}
-	if (st->nruns == st->runcap)
-	{
-		int			cap = st->runcap ? st->runcap * 2 : 64;
-		sink_run   *r = realloc(st->runs, (size_t) cap * sizeof(*r));
-
-		if (!r)
-			goto oom;
-		st->runs = r;
-		st->runcap = cap;
-	}
-	if (st->nev + n > st->evcap)
-	{
-		int			cap = st->evcap ? st->evcap : 128;
-		char	  **j,
-				  **d;
-
-		while (cap < st->nev + n)
-			cap *= 2;
-		j = realloc(st->json, (size_t) cap * sizeof(*j));
-		if (!j)
-			goto oom;
-		st->json = j;
-		d = realloc(st->id, (size_t) cap * sizeof(*d));
-		if (!d)
-			goto oom;
-		st->id = d;
-		st->evcap = cap;
-	}
-	run = &st->runs[st->nruns++];
-	memset(run, 0, sizeof(*run));
-	run->first = st->nev;
-	run->n = n;
-	run->res = SINK_OK;
-	for (int i = 0; i < n; i++)
-	{
-		st->json[st->nev] = strdup(evs[i].json);
-		st->id[st->nev] = strdup(evs[i].id);
-		if (!st->json[st->nev] || !st->id[st->nev])
-		{
-			free(st->json[st->nev]);
-			free(st->id[st->nev]);
-			goto oom;
-		}
-		st->nev++;
-	}
-	return 0;
-oom:
-	snprintf(err, errlen, "out of memory");
-	return -1;
+	return sink_queue_run(&st->q, evs, n, err, errlen);
 }
 
 /*
@@ -316,7 +251,7 @@ sql_chunk(sql_sink *st, int begin, int from, int to, char *err, size_t errlen, i
 	ok = !begin || PQsendQueryParams(conn, "BEGIN", 0, NULL, NULL, NULL, NULL, 0);
 	for (int i = from; ok && i < to; i++)
 	{
-		const char *params[2] = {st->json[i], st->id[i]};
+		const char *params[2] = {st->q.evs[i].json, st->q.evs[i].id};
 
 		ok = PQsendQueryPrepared(conn, SQL_STMT_NAME, 2, params, NULL, NULL, 0);
 	}
@@ -392,10 +327,10 @@ sql_batch(void *state)
 	if (!PQenterPipelineMode(conn))
 	{
 		sql_error_text(conn, NULL, first_err, sizeof(first_err));
-		sink_runs_fail_rest(st->runs, st->nruns, SINK_DOWN, first_err);
+		sink_runs_fail_rest(st->q.runs, st->q.nruns, SINK_DOWN, first_err);
 		return;
 	}
-	while (ok && done < st->nev)
+	while (ok && done < st->q.nev)
 	{
 		int			chunk = SQL_FIRST_CHUNK,
 					to;
@@ -409,7 +344,7 @@ sql_batch(void *state)
 			chunk = each > 0 ? (int) ((deadline - now) / each) : SQL_MAX_CHUNK;
 			chunk = chunk < 1 ? 1 : (chunk > SQL_MAX_CHUNK ? SQL_MAX_CHUNK : chunk);
 		}
-		to = done + chunk < st->nev ? done + chunk : st->nev;
+		to = done + chunk < st->q.nev ? done + chunk : st->q.nev;
 		ok = sql_chunk(st, done == 0, done, to, first_err, sizeof(first_err), &down);
 		if (ok)
 			done = to;
@@ -458,18 +393,18 @@ sql_batch(void *state)
 	{
 		if (!first_err[0])
 			sql_error_text(conn, NULL, first_err, sizeof(first_err));
-		sink_runs_fail_rest(st->runs, st->nruns, down ? SINK_DOWN : SINK_RETRY, first_err);
+		sink_runs_fail_rest(st->q.runs, st->q.nruns, down ? SINK_DOWN : SINK_RETRY, first_err);
 		return;
 	}
 	/* committed: the events that ran, a prefix of each run */
-	for (int r = 0; r < st->nruns; r++)
+	for (int r = 0; r < st->q.nruns; r++)
 	{
-		sink_run   *run = &st->runs[r];
+		sink_run   *run = &st->q.runs[r];
 		int			ran = done - run->first;
 
 		run->confirmed = ran < 0 ? 0 : (ran > run->n ? run->n : ran);
 	}
-	sink_runs_fail_rest(st->runs, st->nruns, SINK_RETRY,
+	sink_runs_fail_rest(st->q.runs, st->q.nruns, SINK_RETRY,
 						relay_stopping ? "stopping" : "a third of the batch's time gone: one event at a time");
 }
 
@@ -478,7 +413,7 @@ sql_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 {
 	sql_sink   *st = state;
 
-	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
+	return sink_runs_recv(st, st->q.runs, st->q.nruns, &st->nread, &st->waved,
 						  sql_batch, sql_reset, confirmed, err, errlen);
 }
 
