@@ -100,7 +100,13 @@
  * the commit (XACT_EVENT_PRE_COMMIT), so a transaction whose emits rolled
  * back sends none, and a transaction that is prepared (PREPARE TRANSACTION,
  * which refuses one with a pending NOTIFY) sends none either: relays find
- * its events by polling once COMMIT PREPARED has run.
+ * its events by polling once COMMIT PREPARED has run.  Under 'coalesce' a
+ * commit sends none if this backend's last NOTIFY committed less than
+ * outbox_notify_window ago (NOTIFY takes a database-wide lock held through
+ * the commit, so every emitting commit queues behind the one before); a
+ * listener claims once more that long after each notification
+ * (idem-relay's --notify-window), so such a commit's events wait for
+ * neither the next NOTIFY nor the poll.
  *
  * All SQL runs through generic plans prepared once per backend with
  * search_path pinned to pg_catalog, on schema-qualified names, with the
@@ -162,6 +168,7 @@ static const struct config_enum_entry dead_policy_options[] = {
 
 static const struct config_enum_entry notify_options[] = {
 	{"commit", NOTIFY_COMMIT, false},
+	{"coalesce", NOTIFY_COALESCE, false},
 	{"off", NOTIFY_OFF, false},
 	{NULL, 0, false}
 };
@@ -177,6 +184,7 @@ int			outbox_max_attempts = OUTBOX_MAX_ATTEMPTS_DEFAULT;
 static bool outbox_keep_undelivered = OUTBOX_KEEP_UNDELIVERED_DEFAULT;
 int			outbox_dead_policy = OUTBOX_DEAD_POLICY_DEFAULT;
 int			outbox_notify = OUTBOX_NOTIFY_DEFAULT;
+int			outbox_notify_window = OUTBOX_NOTIFY_WINDOW_DEFAULT;
 int			outbox_mode = OUTBOX_MODE_DEFAULT;
 static int	outbox_max_lag = OUTBOX_MAX_LAG_DEFAULT;
 
@@ -215,12 +223,19 @@ idem_outbox_init(void)
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_notify",
-							 "Whether emitting transactions send NOTIFY idempotency_outbox at commit: commit or off.",
-							 NULL,
+							 "Whether emitting transactions send NOTIFY idempotency_outbox at commit: commit, coalesce or off.",
+							 "coalesce: a commit within idempotency.outbox_notify_window of this session's last NOTIFY sends none; listeners claim once more that long after each notification.",
 							 &outbox_notify,
 							 OUTBOX_NOTIFY_DEFAULT, notify_options,
 							 PGC_USERSET, 0,
 							 NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.outbox_notify_window",
+							"Under outbox_notify = coalesce, how long after a session's NOTIFY its emitting commits send none.",
+							NULL,
+							&outbox_notify_window,
+							OUTBOX_NOTIFY_WINDOW_DEFAULT, 1, 10000,
+							PGC_USERSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
 	DefineCustomEnumVariable("idempotency.outbox_mode",
 							 "Where emitted events go: table, wal (logical decoding messages only) or both.",
 							 NULL,

@@ -48,6 +48,7 @@
 #define OUTBOX_KEEP_UNDELIVERED_DEFAULT	true
 #define OUTBOX_DEAD_POLICY_DEFAULT	DEAD_BLOCK
 #define OUTBOX_NOTIFY_DEFAULT		NOTIFY_COMMIT
+#define OUTBOX_NOTIFY_WINDOW_DEFAULT	10	/* ms */
 #define OUTBOX_MODE_DEFAULT			MODE_TABLE
 #define OUTBOX_MAX_LAG_DEFAULT		(14 * SECS_PER_DAY)
 
@@ -60,6 +61,7 @@ typedef enum
 typedef enum
 {
 	NOTIFY_COMMIT,
+	NOTIFY_COALESCE,
 	NOTIFY_OFF
 } OutboxNotify;
 
@@ -73,6 +75,7 @@ typedef enum
 extern int	outbox_max_attempts;
 extern int	outbox_dead_policy;
 extern int	outbox_notify;
+extern int	outbox_notify_window;	/* milliseconds, for NOTIFY_COALESCE */
 extern int	outbox_mode;
 
 /*---- statements (outbox.c) ----*/

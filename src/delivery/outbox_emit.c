@@ -90,6 +90,10 @@ PG_FUNCTION_INFO_V1(idem_outbox_emit_many);
  */
 static int	notify_level = 0;
 
+/* the NOTIFY this transaction queued, and when this backend's last committed */
+static bool notify_queued = false;
+static TimestampTz last_notify_at = 0;
+
 static void
 want_notify(void)
 {
@@ -113,16 +117,29 @@ outbox_xact_callback(XactEvent event, void *arg)
 			if (notify_level > 0)
 			{
 				notify_level = 0;
-				Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+				if (outbox_notify != NOTIFY_COALESCE || last_notify_at == 0 ||
+					GetCurrentTimestamp() - last_notify_at >=
+					(TimestampTz) outbox_notify_window * 1000)
+				{
+					Async_Notify(OUTBOX_NOTIFY_CHANNEL, "");
+					notify_queued = true;
+				}
 			}
+			break;
+		case XACT_EVENT_COMMIT:
+			/* the window runs from a NOTIFY that was sent, not one that failed */
+			if (notify_queued)
+				last_notify_at = GetCurrentTimestamp();
+			notify_level = 0;
+			notify_queued = false;
 			break;
 		case XACT_EVENT_PRE_PREPARE:
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
-		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PREPARE:
 			notify_level = 0;
+			notify_queued = false;
 			break;
 		default:
 			break;
@@ -200,8 +217,8 @@ announce_event(const OutboxEvent *ev)
 		(void) LogLogicalMessage(OUTBOX_MESSAGE_PREFIX, json, strlen(json), true);
 		pfree(json);
 	}
-	/* one NOTIFY per emitting transaction, sent at its commit */
-	if (outbox_notify == NOTIFY_COMMIT)
+	/* one NOTIFY per emitting transaction, sent at its commit (or coalesced) */
+	if (outbox_notify != NOTIFY_OFF)
 		want_notify();
 }
 

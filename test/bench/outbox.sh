@@ -17,7 +17,7 @@
 # Parts (each in its own database, created and dropped by this script):
 #   a emit    one event per transaction: SELECT idem_outbox_emit(...) vs INSERT
 #             into bench_outbox (target >= 0.9x); also with
-#             idempotency.outbox_notify = off (the default, 'commit', sends a
+#             idempotency.outbox_notify = coalesce and = off (the default, 'commit', sends a
 #             NOTIFY at each emitting commit, which the baseline does not)
 #   b drain   IDEM_OUTBOX_EVENTS events (50 per transaction, aggregate =
 #             event number mod IDEM_OUTBOX_AGGREGATES) are loaded into both
@@ -331,16 +331,16 @@ echo "  $AGGS aggregates; drain: $NEV events, relays '$RELAYS', batch $BATCH; -M
 # ------------------------------------------------------------------ (a) emit
 
 part_emit() {
-    local db=obx_emit r b c n order
-    local -a B=() C=() N=()
+    local db=obx_emit r b c n k order
+    local -a B=() C=() N=() K=()
     new_db $db
     warm_aggregates $db
     q $db -c "VACUUM ANALYZE" -c "CHECKPOINT" >/dev/null
     echo "(a) emit: one event per transaction, $ROUNDS x ${SECS}s, $CLIENTS clients"
     for r in $(seq "$ROUNDS"); do
-        b=0 c=0 n=0
-        order="base cand nonotify"
-        ((r % 2 == 0)) && order="nonotify cand base"
+        b=0 c=0 n=0 k=0
+        order="base cand coalesce nonotify"
+        ((r % 2 == 0)) && order="nonotify coalesce cand base"
         for s in $order; do
             case $s in
                 base) pgb $db outbox_emit_plain.sql -c "$CLIENTS" -j "$CLIENTS" -T "$SECS"; b=$(tps) ;;
@@ -349,13 +349,17 @@ part_emit() {
                 nonotify) [[ -n $BASE_ONLY ]] && continue
                       PGOPTIONS="-c idempotency.outbox_notify=off" \
                           pgb $db outbox_emit_idem.sql -c "$CLIENTS" -j "$CLIENTS" -T "$SECS"; n=$(tps) ;;
+                coalesce) [[ -n $BASE_ONLY ]] && continue
+                      PGOPTIONS="-c idempotency.outbox_notify=coalesce" \
+                          pgb $db outbox_emit_idem.sql -c "$CLIENTS" -j "$CLIENTS" -T "$SECS"; k=$(tps) ;;
             esac
         done
-        B+=("$b") C+=("$c") N+=("$n")
-        printf '  round %d: INSERT %s tps, idem_outbox_emit %s tps, with outbox_notify=off %s tps\n' \
-            "$r" "$(fmt "$b")" "$(fmt "$c")" "$(fmt "$n")"
+        B+=("$b") C+=("$c") N+=("$n") K+=("$k")
+        printf '  round %d: INSERT %s tps, idem_outbox_emit %s tps, outbox_notify=coalesce %s tps, =off %s tps\n' \
+            "$r" "$(fmt "$b")" "$(fmt "$c")" "$(fmt "$k")" "$(fmt "$n")"
     done
     ratio "outbox (a) emit, 1 event per transaction" tps idem_outbox_emit "${C[@]}" -- INSERT "${B[@]}"
+    ratio "outbox (a) emit, outbox_notify = coalesce" tps idem_outbox_emit "${K[@]}" -- INSERT "${B[@]}"
     ratio "outbox (a) emit, outbox_notify = off" tps idem_outbox_emit "${N[@]}" -- INSERT "${B[@]}"
 }
 

@@ -153,5 +153,36 @@ check_arrivals($node, arrivals(), max_dups => 2 * 2 * 20);
 is($node->safe_psql($db, 'SELECT coalesce(sum(pending), 0) FROM idempotency.outbox_backlog'), '0',
 	'nothing is left undelivered');
 
+# --notify-window: an emitter under outbox_notify = 'coalesce' sends no
+# NOTIFY for a commit within its window (1 s) of its last one; the relay
+# claims once more --notify-window (2 s) after each notification, so such
+# an event arrives long before --poll (30 s)
+my $cfile = "$tmp/coalesce.out";
+my $crelay = RelayTest::run_relay($cfile, '-d', relay_connstr($node, $db), '--listen', '--poll', '30',
+	'--notify-window', '2', '--batch', '20');
+sub arrived
+{
+	my ($id) = @_;
+	open my $in, '<', $cfile or return 0;
+	my $n = grep { /"aggregate_id": ?"\Q$id\E"/ } <$in>;
+	close $in;
+	return $n;
+}
+# it listens: an event of a 'commit' emitter wakes it
+ok(wait_until(30, sub {
+		$node->safe_psql($db, q{SELECT idem_outbox_emit('burst', 'warm', 'e', '{}')}) if !arrived('warm');
+		sleep(1);
+		arrived('warm') }), 'the relay is listening');
+$node->safe_psql($db, q{
+SET idempotency.outbox_notify = 'coalesce';
+SET idempotency.outbox_notify_window = '1s';
+SELECT idem_outbox_emit('burst', 'first', 'e', '{}');
+SELECT pg_sleep(0.3);
+SELECT idem_outbox_emit('burst', 'second', 'e', '{}');
+});
+ok(wait_until(10, sub { arrived('first') && arrived('second') }),
+	"--notify-window: the event committed without a NOTIFY arrives before --poll");
+ok(stop_relay($crelay), 'SIGTERM: exit 0');
+
 $node->stop;
 done_testing();

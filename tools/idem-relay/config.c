@@ -58,6 +58,8 @@ static const option_def options[] = {
 	{"lease", 'l', O_SECONDS, OFF(lease), "SECONDS", "lease of a claim, extended while a slow sink works (default 30)"},
 	{"poll", 'p', O_SECONDS, OFF(poll), "SECONDS", "claim again after this long when idle (default 1)"},
 	{"listen", 'L', O_FLAG, OFF(listen), NULL, "LISTEN idempotency_outbox: claim as soon as an emit commits"},
+	{"notify-window", 0, O_SECONDS, OFF(notify_window), "SECONDS",
+	"with --listen, claim once more this long after each notification (emitters' outbox_notify = coalesce; default 0.02, 0: never)"},
 	{"timeout", 0, O_SECONDS, OFF(timeout), "SECONDS", "limit of one publish (default 10)"},
 	{"retries", 0, O_INT, OFF(retries), "N",
 	"tries of a transiently failing publish (5xx, timeout, lost connection) before a nack (default 5)"},
@@ -344,6 +346,8 @@ check(relay_config *cfg, int sink_given)
 		config_error("--prefetch must be 0 or 1%s%s", "", "");
 	if (cfg->lease < 1)
 		config_error("--lease must be at least 1 second%s%s", "", "");
+	if (cfg->notify_window < 0)
+		config_error("--notify-window must not be negative%s%s", "", "");
 	if (cfg->poll <= 0 || cfg->timeout <= 0)
 		config_error("--poll and --timeout must be more than 0 seconds%s%s", "", "");
 	if (cfg->timeout >= cfg->lease)
@@ -396,6 +400,7 @@ config_load(relay_config *cfg, int argc, char **argv)
 	cfg->prefetch = 1;
 	cfg->lease = 30;
 	cfg->poll = 1;
+	cfg->notify_window = 0.02;
 	cfg->timeout = 10;
 	cfg->retries = 5;
 	cfg->retry_max = 5;

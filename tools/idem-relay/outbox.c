@@ -28,7 +28,9 @@
  *	   (with the error text; the extension's backoff unless
  *	   --nack-retry-after, dead letters after outbox_max_attempts);
  *	5. nothing claimed: wait --poll seconds, or with --listen until a
- *	   NOTIFY idempotency_outbox arrives (a hint only: the claim decides).
+ *	   NOTIFY idempotency_outbox arrives (a hint only: the claim decides),
+ *	   and claim once more --notify-window after each notification (for
+ *	   emitters whose outbox_notify = 'coalesce' skipped theirs).
  *
  * Overlap (--prefetch 1, the default): the connection is in libpq's
  * pipeline mode, every statement its own sync point (so its own implicit
@@ -1033,11 +1035,29 @@ give_back(relay_db *db, const relay_config *cfg, batch *next)
 	batch_clear(next);
 }
 
-/* wait for a notification or --poll seconds; -1 if the connection is gone */
+/*
+ * When to claim once more after the last notification (0: no such claim
+ * due): emitters under outbox_notify = 'coalesce' commit events without a
+ * NOTIFY for a window after theirs, which the claims that the notification
+ * woke may have missed.
+ */
+static double reclaim_at = 0;
+
+/*
+ * wait for a notification, --poll seconds, or the claim due --notify-window
+ * after the last notification; -1 if the connection is gone
+ */
 static int
 idle(relay_db *db, const relay_config *cfg)
 {
 	double		until = relay_now() + cfg->poll;
+
+	if (reclaim_at > 0)
+	{
+		if (reclaim_at < until)
+			until = reclaim_at;
+		reclaim_at = 0;
+	}
 
 	if (!cfg->listen)
 	{
@@ -1071,7 +1091,11 @@ idle(relay_db *db, const relay_config *cfg)
 			PQfreemem(note);
 		}
 		if (got)
+		{
+			if (cfg->notify_window > 0)
+				reclaim_at = relay_now() + cfg->notify_window;
 			return 0;
+		}
 	}
 	return 0;
 }

@@ -53,6 +53,7 @@ typedef struct relay_config
 	int			batch;			/* events per claim */
 	double		lease;			/* seconds */
 	double		poll;			/* seconds between claims when idle */
+	double		notify_window;	/* seconds: claim once more this long after a notification */
 	double		timeout;		/* seconds per publish */
 	int			retries;		/* in-place tries of a transient failure before a nack */
 	double		retry_max;		/* seconds: the cap of the in-place backoff */
