@@ -176,14 +176,15 @@ SELECT is(ARRAY(SELECT name || '=' || context FROM pg_settings
           ARRAY['idempotency.debug_clock_offset=superuser', 'idempotency.outbox_dead_policy=user',
                 'idempotency.outbox_keep_undelivered=user',
                 'idempotency.outbox_max_attempts=user', 'idempotency.outbox_max_lag=user',
-                'idempotency.outbox_mode=user', 'idempotency.outbox_notify=user'],
+                'idempotency.outbox_mode=user', 'idempotency.outbox_notify=user',
+                'idempotency.outbox_notify_window=user'],
           'outbox settings are user settings; the test clock is superuser only');
 SELECT is(ARRAY(SELECT name || ':' || array_to_string(enumvals, '|') FROM pg_settings
                  WHERE name IN ('idempotency.outbox_dead_policy', 'idempotency.outbox_notify', 'idempotency.outbox_mode')
                  ORDER BY name),
           ARRAY['idempotency.outbox_dead_policy:block|skip', 'idempotency.outbox_mode:table|wal|both',
-                'idempotency.outbox_notify:commit|off'],
-          'enum settings take the values of SPEC 4');
+                'idempotency.outbox_notify:commit|coalesce|off'],
+          'enum settings take the values of SPEC 4, and outbox_notify coalesce besides');
 SELECT throws_ok($$SET idempotency.outbox_max_attempts = 0$$, '22023', NULL, 'outbox_max_attempts 0 is refused');
 SELECT throws_ok($$SET idempotency.outbox_max_attempts = 1001$$, '22023', NULL, 'outbox_max_attempts 1001 is refused');
 SELECT throws_ok($$SET idempotency.outbox_dead_policy = 'sometimes'$$, '22023', NULL, 'an unknown dead policy is refused');
