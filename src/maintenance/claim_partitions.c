@@ -787,8 +787,13 @@ idem_claim_partitions_keep(const char *pattern, bool removed, int64 retention)
 		IdemPartition *p = &set->parts[i];
 		char	   *name;
 
+		/*
+		 * Against what the partition keeps for good (its class, its
+		 * keep_retention), not idem_configure()'s retention that a default-
+		 * class or keep_default partition follows: that can be lowered later.
+		 */
 		if (!p->sealed || p->held || idem_partition_expired(set, p, now) ||
-			(retention > 0 ? idem_partition_retention(set, p) >= retention :
+			(retention > 0 ? Max(p->class_retention, p->keep_retention) >= retention :
 			 p->class_retention == 0 || p->keep_default) ||
 			(name = partition_name(p->relid)) == NULL)
 			continue;

@@ -217,9 +217,24 @@ SELECT idem_claimed('f', 'fallback') IS NOT NULL AS kept_default,
 SET idempotency.debug_clock_offset = '414h';
 SELECT count(*) >= 0 AS maintained FROM idem_maintain();
 SELECT count(*) AS left_after_their_retention FROM idempotency.claims WHERE key IN ('f', 'g');
+-- a scope given a retention below the default, then the default lowered
+-- below it: its claims in the default class are kept for the scope's
+SET idempotency.debug_clock_offset = '500h';
+SELECT idem_configure(retention => '2 days');
+SELECT idem_claim('d', 'lowdef');
+SET idempotency.debug_clock_offset = '503h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_configure_scope('lowdef', '30 hours');
+SELECT idem_configure(retention => '1 day');
+SET idempotency.debug_clock_offset = '528h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claimed('d', 'lowdef') IS NOT NULL AS kept_for_its_scope;
+SET idempotency.debug_clock_offset = '534h';
+SELECT count(*) >= 0 AS maintained FROM idem_maintain();
+SELECT idem_claimed('d', 'lowdef') IS NOT NULL AS kept_after_its_scope;
 RESET idempotency.debug_clock_offset;
 SELECT idem_configure(retention => '2 days');
-SELECT idem_configure_scope('fb:*', NULL);
+SELECT idem_configure_scope('fb:*', NULL), idem_configure_scope('lowdef', NULL);
 
 -- a role without the unlimited operator capability may not configure
 CREATE ROLE scope_ret_operator;
