@@ -140,7 +140,10 @@ typedef enum ProbeWhich
 {
 	PROBE_OPEN,					/* those that can still take claims */
 	PROBE_SEALED,				/* sealed ones, through their filters */
-	PROBE_ALL					/* both */
+	PROBE_ALL,					/* both */
+	PROBE_EVERY					/* both, the expired and future ones too: a
+								 * release must forget a claim that a
+								 * retention raised later would revive */
 } ProbeWhich;
 
 typedef enum ProbeStatus
@@ -155,6 +158,8 @@ typedef struct ProbeResult
 	ProbeStatus status;
 	TransactionId xwait;		/* PROBE_BUSY: whom to wait for */
 	Oid			relid;			/* PROBE_FOUND: where */
+	bool		expired;		/* PROBE_FOUND by PROBE_EVERY: in an expired
+								 * partition, no claim for now */
 	ItemPointerData tid;
 	TimestampTz claimed_at;
 	bool		has_fingerprint;	/* a 1.0 fingerprint */
@@ -575,12 +580,17 @@ claim_target(IdemPartitionSet *set, const ClaimKey *ck, TimestampTz now, bool *c
 /* Probe sealed partition p unless it is expired or its filter rules the key out. */
 static bool
 probe_sealed(ClaimCall *call, IdemPartitionSet *set, IdemPartition *p, IdemPartition *target,
-			 TimestampTz now, Snapshot snap, ClaimKey *ck, ProbeResult *res)
+			 TimestampTz now, Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
-	if (p == target || idem_partition_expired(set, p, now) ||
+	bool		expired = idem_partition_expired(set, p, now);
+
+	if (p == target || (expired && which != PROBE_EVERY) ||
 		!idem_filter_maybe(set, p, ck->hash))
 		return false;
-	return probe_partition(call, p, snap, ck, res);
+	if (!probe_partition(call, p, snap, ck, res))
+		return false;
+	res->expired = expired;
+	return true;
 }
 
 /*
@@ -601,6 +611,7 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 	int			ncand = -1;		/* -1: no groups, test every sealed one */
 
 	res->status = PROBE_ABSENT;
+	res->expired = false;
 	if (target != NULL && which != PROBE_SEALED &&
 		probe_partition(call, target, snap, ck, res))
 		return;
@@ -612,7 +623,8 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 		if (ncand < 0)
 		{
 			for (int i = 0; i < set->nparts; i++)
-				if (set->parts[i].sealed && !idem_partition_expired(set, &set->parts[i], now))
+				if (set->parts[i].sealed &&
+					(which == PROBE_EVERY || !idem_partition_expired(set, &set->parts[i], now)))
 					idem_filter_prefetch(&set->parts[i], ck->hash);
 		}
 		else
@@ -626,7 +638,8 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 			IdemPartition *p = &set->parts[unsealed[j]];
 
 			if (p == target ||
-				(p->lower > now + IDEM_CLOCK_SKEW_USECS && !unsealed_oldest[j] && !p->closed))
+				(which != PROBE_EVERY && p->lower > now + IDEM_CLOCK_SKEW_USECS &&
+				 !unsealed_oldest[j] && !p->closed))
 				continue;
 			if (probe_partition(call, p, snap, ck, res))
 				return;
@@ -638,12 +651,12 @@ probe_set(ClaimCall *call, IdemPartitionSet *set, IdemPartition *target, Timesta
 	{
 		for (int i = 0; i < set->nparts; i++)
 			if (set->parts[i].sealed &&
-				probe_sealed(call, set, &set->parts[i], target, now, snap, ck, res))
+				probe_sealed(call, set, &set->parts[i], target, now, snap, ck, which, res))
 				return;
 	}
 	else
 		for (int j = 0; j < ncand; j++)
-			if (probe_sealed(call, set, &set->parts[cand[j]], target, now, snap, ck, res))
+			if (probe_sealed(call, set, &set->parts[cand[j]], target, now, snap, ck, which, res))
 				return;
 }
 
@@ -1088,9 +1101,10 @@ idem_claimed_before(PG_FUNCTION_ARGS)
 
 /*
  * idem_release(key text, scope text = 'default'): forget the claim so the
- * key can be processed again; true if there was one.  Every live row of the
- * key goes: after retention was raised, a claim that had expired (and been
- * made again) counts again, so there may be more than one.
+ * key can be processed again; true if there was one.  Every row of the key
+ * goes, those of expired partitions not dropped yet too: after retention
+ * was raised, a claim that had expired (and been made again) counts again,
+ * so there may be more than one, and one expired now may count later.
  */
 Datum
 idem_release(PG_FUNCTION_ARGS)
@@ -1118,7 +1132,7 @@ idem_release(PG_FUNCTION_ARGS)
 
 		set = idem_partition_set();
 		probe_set(&call, set, claim_target(set, &ck, now, &covers), now,
-				  &call.dirty, &ck, PROBE_ALL, &res);
+				  &call.dirty, &ck, PROBE_EVERY, &res);
 		if (res.status == PROBE_BUSY)
 		{
 			LockRelease(&tag, ExclusiveLock, false);
@@ -1137,7 +1151,7 @@ idem_release(PG_FUNCTION_ARGS)
 		heap = relation_open(res.relid, RowExclusiveLock);
 		simple_heap_delete(heap, &res.tid);
 		relation_close(heap, NoLock);
-		released = true;
+		released |= !res.expired;
 	}
 	LockRelease(&tag, ExclusiveLock, false);
 	claim_call_close(&call);
