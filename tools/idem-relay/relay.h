@@ -241,6 +241,7 @@ void		sink_queue_free(sink_queue *q);
 
 /* every run not wholly confirmed and not failed fails with res and why */
 void		sink_runs_fail_rest(sink_run *runs, int nruns, sink_result res, const char *why);
+const char *sink_waves_stopped(int down, double t0, double lease, sink_result *res);
 
 /*
  * recv_run of such a sink: waves(state) at the first call after the runs

@@ -106,6 +106,26 @@ sink_runs_fail_rest(sink_run *runs, int nruns, sink_result res, const char *why)
 		}
 }
 
+/*
+ * Why a sink's waves stop with runs left (NULL: go on): the connection was
+ * lost (down; *res becomes SINK_DOWN), SIGTERM, or a third of the lease has
+ * gone since t0, so the batch is acked before its lease runs out.
+ */
+const char *
+sink_waves_stopped(int down, double t0, double lease, sink_result *res)
+{
+	if (down)
+	{
+		*res = SINK_DOWN;
+		return "not sent: the connection was lost";
+	}
+	if (relay_stopping)
+		return "not sent: stopping";
+	if (relay_now() - t0 > lease / 3)
+		return "not sent in waves: a third of the lease has gone";
+	return NULL;
+}
+
 sink_result
 sink_runs_recv(void *state, sink_run *runs, int nruns, int *nread, int *waved,
 			   void (*waves) (void *), void (*reset) (void *),

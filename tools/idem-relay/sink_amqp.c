@@ -354,10 +354,11 @@ amqp_publish(void *state, const relay_event *ev, const char *target, char *err, 
 	return sl.res;
 }
 
-/* drop the runs queued */
+/* drop the runs queued (void * for sink_runs_recv) */
 static void
-amqp_reset(amqp_state *st)
+amqp_reset(void *state)
 {
+	amqp_state *st = state;
 	int			i;
 
 	for (i = 0; i < st->nslots; i++)
@@ -440,10 +441,14 @@ amqp_send_run(void *state, const relay_event *evs, const char *const *targets, i
 	return 0;
 }
 
-/* every run queued, in waves (the banner): each run's confirmed and res set */
+/*
+ * every run queued, in waves (the banner): each run's confirmed and res set
+ * (void * for sink_runs_recv)
+ */
 static void
-amqp_waves(amqp_state *st)
+amqp_waves(void *state)
 {
+	amqp_state *st = state;
 	double		t0 = relay_now();
 	const char *why = NULL;
 	sink_result why_res = SINK_RETRY;
@@ -493,31 +498,10 @@ amqp_waves(amqp_state *st)
 			if (sl->res == SINK_DOWN)
 				down = 1;
 		}
-		if (down)
-		{
-			why = "not sent: the connection was lost";
-			why_res = SINK_DOWN;
-		}
-		else if (relay_stopping)
-			why = "not sent: stopping";
-		else if (relay_now() - t0 > st->lease / 3)
-			why = "not sent in waves: a third of the lease has gone";
+		why = sink_waves_stopped(down, t0, st->lease, &why_res);
 	}
 	if (why)
 		sink_runs_fail_rest(st->runs, st->nruns, why_res, why);
-}
-
-/* run the waves (void * for sink_runs_recv) */
-static void
-amqp_waves_of(void *state)
-{
-	amqp_waves(state);
-}
-
-static void
-amqp_reset_of(void *state)
-{
-	amqp_reset(state);
 }
 
 static sink_result
@@ -526,7 +510,7 @@ amqp_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 	amqp_state *st = state;
 
 	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
-						  amqp_waves_of, amqp_reset_of, confirmed, err, errlen);
+						  amqp_waves, amqp_reset, confirmed, err, errlen);
 }
 
 SINK_DEFINE_PIPELINED(sink_amqp, "amqp", "amqp://guest:guest@127.0.0.1:5672", "outbox.{aggregate_type}.{event_type}",

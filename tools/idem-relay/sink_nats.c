@@ -174,10 +174,11 @@ nats_quiesce(nats_sink *st)
 	return js_PublishAsyncComplete(st->ajs, &po) == NATS_OK;
 }
 
-/* drop the runs queued (the messages not published with them) */
+/* drop the runs queued, the messages not published with them (void * for sink_runs_recv) */
 static void
-nats_reset(nats_sink *st)
+nats_reset(void *state)
 {
+	nats_sink  *st = state;
 	int			i;
 
 	for (i = 0; i < st->nslots; i++)
@@ -385,10 +386,14 @@ nats_send_run(void *state, const relay_event *evs, const char *const *targets, i
 	return 0;
 }
 
-/* every run queued, in waves (the banner): each run's confirmed and res set */
+/*
+ * every run queued, in waves (the banner): each run's confirmed and res set
+ * (void * for sink_runs_recv)
+ */
 static void
-nats_waves(nats_sink *st)
+nats_waves(void *state)
 {
+	nats_sink  *st = state;
 	double		t0 = relay_now();
 	jsPubOptions po,
 				wait;
@@ -459,31 +464,10 @@ nats_waves(nats_sink *st)
 		st->nwave = 0;
 		st->hint = 0;
 		pthread_mutex_unlock(&st->mu);
-		if (down)
-		{
-			why = "not sent: the connection was lost";
-			why_res = SINK_DOWN;
-		}
-		else if (relay_stopping)
-			why = "not sent: stopping";
-		else if (relay_now() - t0 > st->lease / 3)
-			why = "not sent in waves: a third of the lease has gone";
+		why = sink_waves_stopped(down, t0, st->lease, &why_res);
 	}
 	if (why)
 		sink_runs_fail_rest(st->runs, st->nruns, why_res, why);
-}
-
-/* run the waves (void * for sink_runs_recv) */
-static void
-nats_waves_of(void *state)
-{
-	nats_waves(state);
-}
-
-static void
-nats_reset_of(void *state)
-{
-	nats_reset(state);
 }
 
 static sink_result
@@ -492,7 +476,7 @@ nats_recv_run(void *state, int *confirmed, char *err, size_t errlen)
 	nats_sink *st = state;
 
 	return sink_runs_recv(st, st->runs, st->nruns, &st->nread, &st->waved,
-						  nats_waves_of, nats_reset_of, confirmed, err, errlen);
+						  nats_waves, nats_reset, confirmed, err, errlen);
 }
 
 SINK_DEFINE_PIPELINED(sink_nats, "nats", "nats://127.0.0.1:4222", "outbox.{aggregate_type}.{event_type}",
