@@ -501,7 +501,8 @@ END
 # sends is held back, in order, until it has waited the delay that file
 # $dir/proxy.delay says when it is due (seconds; no file: 0; "stall": until
 # the file says otherwise), so a confirm can be made to come after the
-# client's timeout.  Touching $dir/proxy.cut closes every connection (the
+# client's timeout; what is due is written at once, in one write (so what
+# a stall held back reaches the client in one read).  Touching $dir/proxy.cut closes every connection (the
 # data held back with them) and removes the file.  Returns {pid, port, dir}.
 sub start_proxy
 {
@@ -575,11 +576,10 @@ sub proxy_loop
 		my $now = time;
 		foreach my $conn (my @all = @conns)
 		{
-			while (@{ $conn->{q} } && $conn->{q}[0][0] + $delay <= $now)
-			{
-				my $d = shift @{ $conn->{q} };
-				proxy_write($conn->{c}, $d->[1]) or do { $drop->($conn); last; };
-			}
+			my $due = '';
+			$due .= (shift @{ $conn->{q} })->[1]
+			  while @{ $conn->{q} } && $conn->{q}[0][0] + $delay <= $now;
+			proxy_write($conn->{c}, $due) or $drop->($conn) if length $due;
 		}
 	}
 	return;

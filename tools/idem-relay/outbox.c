@@ -1073,6 +1073,21 @@ idle(relay_db *db, const relay_config *cfg)
 		PGnotify   *note;
 		int			got = 0;
 
+		/*
+		 * first what libpq has read already (with the results of the batch
+		 * just done): select() would not wake for it
+		 */
+		while ((note = PQnotifies(db->conn)) != NULL)
+		{
+			got = 1;
+			PQfreemem(note);
+		}
+		if (got)
+		{
+			if (cfg->notify_window > 0)
+				reclaim_at = relay_now() + cfg->notify_window;
+			return 0;
+		}
 		if (left <= 0)
 			return 0;
 		if (left > 0.2)
@@ -1085,17 +1100,6 @@ idle(relay_db *db, const relay_config *cfg)
 			return -1;
 		if (!PQconsumeInput(db->conn))
 			return -1;
-		while ((note = PQnotifies(db->conn)) != NULL)
-		{
-			got = 1;
-			PQfreemem(note);
-		}
-		if (got)
-		{
-			if (cfg->notify_window > 0)
-				reclaim_at = relay_now() + cfg->notify_window;
-			return 0;
-		}
 	}
 	return 0;
 }
