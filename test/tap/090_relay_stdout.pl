@@ -221,5 +221,31 @@ note(sprintf('latencies of an event whose notification came with a claim: %s', j
 cmp_ok($median, '<', 0.15, 'a notification read with a claim\'s result wakes the relay at once (median)');
 ok(stop_relay($brelay), 'SIGTERM: exit 0');
 
+# the emitters' window longer than --notify-window (0.02 s, the default):
+# the relay claims once more after the window its session sees (here the
+# database's 500 ms, stored while the library was not loaded), not only at
+# --poll (30 s)
+$node->safe_psql($db, q{ALTER DATABASE postgres SET idempotency.outbox_notify_window = '500ms'});
+my $wfile = "$tmp/window.out";
+my $wrelay = RelayTest::run_relay($wfile, '-d', relay_connstr($node, $db), '--listen', '--poll', '30');
+$node->safe_psql($db, q{SELECT idem_outbox_emit('burst', 'wready', 'e', '{}')});
+ok(wait_until(30, sub { arrived('wready', $wfile) }), 'the relay delivers');
+sleep(1);
+like(slurp_file("$wfile.err"), qr/connected to the database.*notify_window=0\.5\b/,
+	'it takes the database\'s window, longer than its --notify-window');
+$node->safe_psql($db, q{
+SET idempotency.outbox_notify = 'coalesce';
+SELECT idem_outbox_emit('burst', 'wfirst', 'e', '{}');
+SELECT pg_sleep(0.1);
+SELECT idem_outbox_emit('burst', 'wsecond', 'e', '{}');
+});
+my $tw = time;
+usleep(10_000) until arrived('wsecond', $wfile) || time - $tw > 10;
+$tw = time - $tw;
+note(sprintf('the event committed without a NOTIFY arrived %.3f s after its commit', $tw));
+cmp_ok($tw, '<', 5, 'an event in the database\'s window arrives about the window after the NOTIFY, not at --poll');
+ok(stop_relay($wrelay), 'SIGTERM: exit 0');
+$node->safe_psql($db, q{ALTER DATABASE postgres RESET idempotency.outbox_notify_window});
+
 $node->stop;
 done_testing();
