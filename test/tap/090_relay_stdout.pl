@@ -8,7 +8,11 @@
 # the configuration: --help names the sinks and sources compiled in, bad
 # configuration (flags, environment, file; outbound and --in) exits 2 with
 # a message, and a file and the
-# environment are read with the command line winning.
+# environment are read with the command line winning.  --listen: the
+# claim once more after a notification (--notify-window, or the database's
+# longer idempotency.outbox_notify_window) finds what emitters under
+# outbox_notify = 'coalesce' committed without one, and a notification
+# libpq read with a claim's result wakes the relay at once.
 use strict;
 use warnings;
 
