@@ -209,9 +209,12 @@ foreach my $try (1 .. 3)
 	proxy_delay($proxy, 'stall');
 	my $stalled = $node->safe_psql($db, 'SELECT pg_catalog.clock_timestamp()');
 	ok( wait_until(10, sub {
+			# (or, on a slow machine, the relay waits for a reply held back
+			# since before: it has not polled for 2 s)
 			$node->safe_psql($db, qq{SELECT count(*) FROM pg_stat_activity
-  WHERE usename = 'relay' AND state = 'idle' AND query LIKE '%idem_outbox_claim%'
-    AND query_start > '$stalled'}) eq '1' }),
+  WHERE usename = 'relay' AND state = 'idle'
+    AND (query LIKE '%idem_outbox_claim%' AND query_start > '$stalled'
+         OR state_change < pg_catalog.now() - interval '2 s')}) eq '1' }),
 		"try $try: a claim ran, its result held back");
 	$node->safe_psql($db, qq{SELECT idem_outbox_emit('burst', 'late$try', 'e', '{}')});
 	usleep(300_000);	# its NOTIFY reaches the proxy
