@@ -127,7 +127,11 @@ outbox_xact_callback(XactEvent event, void *arg)
 			}
 			break;
 		case XACT_EVENT_COMMIT:
-			/* the window runs from a NOTIFY that was sent, not one that failed */
+			/*
+			 * the window runs from a NOTIFY that was sent, not one whose
+			 * commit failed after PRE_COMMIT (SERIALIZABLE's check at
+			 * commit): that goes to ABORT below
+			 */
 			if (notify_queued)
 				last_notify_at = GetCurrentTimestamp();
 			notify_level = 0;

@@ -8,14 +8,18 @@
 # the configuration: --help names the sinks and sources compiled in, bad
 # configuration (flags, environment, file; outbound and --in) exits 2 with
 # a message, and a file and the
-# environment are read with the command line winning.
+# environment are read with the command line winning.  --listen: the
+# claim once more after a notification (--notify-window, or the database's
+# longer idempotency.outbox_notify_window) finds what emitters under
+# outbox_notify = 'coalesce' committed without one, and a notification
+# libpq read with a claim's result wakes the relay at once.
 use strict;
 use warnings;
 
 use JSON::PP;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use Time::HiRes qw(usleep);
+use Time::HiRes qw(usleep time);
 use IdemTest;
 use RelayTest;
 
@@ -162,8 +166,8 @@ my $crelay = RelayTest::run_relay($cfile, '-d', relay_connstr($node, $db), '--li
 	'--notify-window', '2', '--batch', '20');
 sub arrived
 {
-	my ($id) = @_;
-	open my $in, '<', $cfile or return 0;
+	my ($id, $file) = @_;
+	open my $in, '<', $file // $cfile or return 0;
 	my $n = grep { /"aggregate_id": ?"\Q$id\E"/ } <$in>;
 	close $in;
 	return $n;
@@ -183,6 +187,72 @@ SELECT idem_outbox_emit('burst', 'second', 'e', '{}');
 ok(wait_until(10, sub { arrived('first') && arrived('second') }),
 	"--notify-window: the event committed without a NOTIFY arrives before --poll");
 ok(stop_relay($crelay), 'SIGTERM: exit 0');
+
+# a notification that libpq read with a claim's result (the event committed
+# after the claim's snapshot; the server sends what came meanwhile before
+# ReadyForQuery) is acted on at once, not when select() next times out
+# (0.2 s): the relay reaches the server through a proxy, stalled while a
+# claim (--poll 1) runs and an event commits, then handing over both in one
+# write.  The median of 3 tries.
+$node->append_conf('postgresql.conf', "listen_addresses = '127.0.0.1'");
+$node->restart;
+my $proxy = start_proxy($tmp, $node->port);
+my $bfile = "$tmp/buffered.out";
+my $brelay = RelayTest::run_relay($bfile, '-d', "host=127.0.0.1 port=$proxy->{port} dbname=$db user=relay",
+	'--listen', '--poll', '1', '--notify-window', '0');
+$node->safe_psql($db, q{SELECT idem_outbox_emit('burst', 'ready', 'e', '{}')});
+ok(wait_until(30, sub { arrived('ready', $bfile) }), 'the relay delivers through the proxy');
+my @late;
+foreach my $try (1 .. 3)
+{
+	usleep(500_000);	# the claims after the last batch done: the relay waits
+	proxy_delay($proxy, 'stall');
+	my $stalled = $node->safe_psql($db, 'SELECT pg_catalog.clock_timestamp()');
+	ok( wait_until(10, sub {
+			# (or, on a slow machine, the relay waits for a reply held back
+			# since before: it has not polled for 2 s)
+			$node->safe_psql($db, qq{SELECT count(*) FROM pg_stat_activity
+  WHERE usename = 'relay' AND state = 'idle'
+    AND (query LIKE '%idem_outbox_claim%' AND query_start > '$stalled'
+         OR state_change < pg_catalog.now() - interval '2 s')}) eq '1' }),
+		"try $try: a claim ran, its result held back");
+	$node->safe_psql($db, qq{SELECT idem_outbox_emit('burst', 'late$try', 'e', '{}')});
+	usleep(300_000);	# its NOTIFY reaches the proxy
+	my $t0 = time;
+	proxy_delay($proxy, 0);
+	usleep(10_000) until arrived("late$try", $bfile) || time - $t0 > 10;
+	push @late, time - $t0;
+}
+my $median = (sort { $a <=> $b } @late)[1];
+note(sprintf('latencies of an event whose notification came with a claim: %s', join(' ', map { sprintf('%.3f', $_) } @late)));
+cmp_ok($median, '<', 0.15, 'a notification read with a claim\'s result wakes the relay at once (median)');
+ok(stop_relay($brelay), 'SIGTERM: exit 0');
+
+# the emitters' window longer than --notify-window (0.02 s, the default):
+# the relay claims once more after the window its session sees (here the
+# database's 500 ms, stored while the library was not loaded), not only at
+# --poll (30 s)
+$node->safe_psql($db, q{ALTER DATABASE postgres SET idempotency.outbox_notify_window = '500ms'});
+my $wfile = "$tmp/window.out";
+my $wrelay = RelayTest::run_relay($wfile, '-d', relay_connstr($node, $db), '--listen', '--poll', '30');
+$node->safe_psql($db, q{SELECT idem_outbox_emit('burst', 'wready', 'e', '{}')});
+ok(wait_until(30, sub { arrived('wready', $wfile) }), 'the relay delivers');
+sleep(1);
+like(slurp_file("$wfile.err"), qr/connected to the database.*notify_window=0\.5\b/,
+	'it takes the database\'s window, longer than its --notify-window');
+$node->safe_psql($db, q{
+SET idempotency.outbox_notify = 'coalesce';
+SELECT idem_outbox_emit('burst', 'wfirst', 'e', '{}');
+SELECT pg_sleep(0.1);
+SELECT idem_outbox_emit('burst', 'wsecond', 'e', '{}');
+});
+my $tw = time;
+usleep(10_000) until arrived('wsecond', $wfile) || time - $tw > 10;
+$tw = time - $tw;
+note(sprintf('the event committed without a NOTIFY arrived %.3f s after its commit', $tw));
+cmp_ok($tw, '<', 5, 'an event in the database\'s window arrives about the window after the NOTIFY, not at --poll');
+ok(stop_relay($wrelay), 'SIGTERM: exit 0');
+$node->safe_psql($db, q{ALTER DATABASE postgres RESET idempotency.outbox_notify_window});
 
 $node->stop;
 done_testing();

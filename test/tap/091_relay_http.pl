@@ -13,66 +13,32 @@
 use strict;
 use warnings;
 
-use File::Basename qw(dirname);
-use JSON::PP;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('python3');
-like(`idem-relay --help`, qr/Sinks compiled in: .*\bhttp\b/, 'the http sink is compiled in');
+need_relay('sink', 'http', 'python3');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $file = "$tmp/received.jsonl";
 my $port = free_port();
-my $server_script = dirname(__FILE__) . '/helpers/webhook.py';
+sub arrivals { return jsonl($file); }
 
-sub start_server
-{
-	my $h = IPC::Run::start([ 'python3', $server_script, $port, $file ],
-		'<', \undef, '>>', "$tmp/webhook.log", '2>&1');
-	# up when it accepts a connection
-	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
-	  or die 'webhook receiver did not start';
-	return $h;
-}
-require IO::Socket::INET;
-
-sub arrivals
-{
-	my @a;
-	open my $in, '<', $file or return [];
-	while (my $line = <$in>) { push @a, decode_json($line) if $line =~ /\n\z/; }
-	close $in;
-	return \@a;
-}
-
-my $server = start_server();
+my $server = start_webhook($port, $file);
 END { local $?; $server->kill_kill if $server && $server->pumpable; }
 my $node = relay_node('relay_http');
 my $emitters = start_emitters($node, 60);
 my @args = ('--sink', 'http', '--url', "http://127.0.0.1:$port/events",
 	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
-my $relay = start_relay($node, "$tmp/relay.out", @args);
-
-ok(wait_until(60, sub { @{ arrivals() } >= 200 }), 'events arrive while emitters run');
-kill_relay($relay);
-$relay = start_relay($node, "$tmp/relay.out", @args);
-ok(wait_until(60, sub { @{ arrivals() } >= 400 }), 'the restarted relay delivers');
+my $count = sub { scalar(@{ arrivals() }) };
+my $relay = relay_killed_and_restarted($node, "$tmp/relay.out", $count, 200, @args);
 
 # the receiver goes away for 3 seconds
-$server->kill_kill;
-my $before = @{ arrivals() };
-sleep 3;
-$server = start_server();
-ok(wait_until(60, sub { @{ arrivals() } >= $before + 200 }), 'delivery resumes once the receiver is back');
-
-emit_poison($node, 'poison');
-ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
-	'an aggregate emitted after the poison event flows');
+broker_outage('the receiver', 3, sub { $server->kill_kill }, sub { $server = start_webhook($port, $file) },
+	$count, 200);
+poison_flows($node, \&arrivals);
 
 # 6 events that take 0.8 s each, in one batch: 4.8 s, past the 3-second lease
 $node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
@@ -87,7 +53,7 @@ like($metrics, qr/^idem_relay_leases_lost_total 0$/m, 'metrics: no lease lost (e
 is(scalar(grep { $_->{aggregate_id} eq 'slow' } @{ arrivals() }), 6,
 	'each slow event arrived once: the lease was extended, not lost');
 ok(stop_relay($relay), 'SIGTERM: the relay drains and exits 0');
-is( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+is(poison_error($node),
 	'HTTP 400: poison refused', "the dead letter keeps the receiver's answer");
 
 # the kill loses at most the two batches in hand (20 each)

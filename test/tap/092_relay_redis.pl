@@ -16,10 +16,7 @@ use Test::More;
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('redis-server');
-need_binary('redis-cli');
-like(`idem-relay --help`, qr/Sinks compiled in: .*\bredis\b/, 'the redis sink is compiled in');
+need_relay('sink', 'redis', 'redis-server', 'redis-cli');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();
@@ -42,24 +39,12 @@ my $node = relay_node('relay_redis');
 my $emitters = start_emitters($node, 100);
 my @args = ('--sink', 'redis', '--url', "redis://127.0.0.1:$port", '--target', 'outbox:{aggregate_type}',
 	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
-my $relay = start_relay($node, "$tmp/relay.out", @args);
-
-ok(wait_until(60, sub { @{ arrivals() } >= 300 }), 'events arrive while emitters run');
-kill_relay($relay);
-$relay = start_relay($node, "$tmp/relay.out", @args);
-ok(wait_until(60, sub { @{ arrivals() } >= 600 }), 'the restarted relay delivers');
-
-stop_broker($redis);
-sleep 3;
-$redis = start_redis($tmp, $port);
-my $before = @{ arrivals() };
-ok(wait_until(60, sub { @{ arrivals() } >= $before + 300 }), 'delivery resumes once redis is back');
-
-emit_poison($node, 'poison');
-ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
-	'an aggregate emitted after the poison event flows');
+my $count = sub { scalar(@{ arrivals() }) };
+my $relay = relay_killed_and_restarted($node, "$tmp/relay.out", $count, 300, @args);
+broker_outage('redis', 3, sub { stop_broker($redis) }, sub { $redis = start_redis($tmp, $port) }, $count, 300);
+poison_flows($node, \&arrivals);
 my $total = drain_and_dead_letter($node, $emitters, \&arrivals, 'are in the stream');
-like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+like(poison_error($node),
 	qr/WRONGTYPE/, "the dead letter keeps redis's error");
 like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total [1-9]\d*$/m,
 	'metrics: the reconnection to redis counted');

@@ -17,50 +17,19 @@
 use strict;
 use warnings;
 
-use JSON::PP;
-use MIME::Base64;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('nats-server');
-like(`idem-relay --help`, qr/Sinks compiled in: .*\bnats\b/, 'the nats sink is compiled in');
+need_relay('sink', 'nats', 'nats-server');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();
 
-sub stream_info
-{
-	my ($stream) = @_;
-	$stream //= 'OUTBOX';
-	my ($r) = nats_requests($port, [ "\$JS.API.STREAM.INFO.$stream", '' ]);
-	return defined $r ? decode_json($r) : {};
-}
-
-# every message of stream $stream (default OUTBOX), in stream order, with
-# msg_id and time (when the stream stored it)
-sub arrivals
-{
-	my ($stream) = @_;
-	$stream //= 'OUTBOX';
-	my $last = stream_info($stream)->{state}{last_seq} // 0;
-	my @r = nats_requests($port, map { [ "\$JS.API.STREAM.MSG.GET.$stream", qq{{"seq":$_}} ] } 1 .. $last);
-	my @a;
-	foreach my $r (@r)
-	{
-		my $m = decode_json($r)->{message} or next;
-		my $e = decode_json(decode_base64($m->{data}));
-		my $hdrs = decode_base64($m->{hdrs} // '');
-		$e->{msg_id} = $hdrs =~ /^Nats-Msg-Id:\s*(\S+)/mi ? $1 : '';
-		$e->{stored_at} = $m->{time};
-		push @a, $e;
-	}
-	return \@a;
-}
-
-sub stored { return stream_info()->{state}{messages} // 0; }
+# every message of stream $stream (default OUTBOX), in stream order
+sub arrivals { return nats_messages($port, @_); }
+sub stored { return nats_stored($port); }
 
 my $nats = start_nats($tmp, $port);
 my ($created) = nats_requests($port, [ '$JS.API.STREAM.CREATE.OUTBOX',
@@ -84,29 +53,16 @@ is(scalar(grep { defined && /"seq":\d+/ } @acks), 20, 'the 20 events of the dead
 my $emitters = start_emitters($node, 100);
 my @args = ('--sink', 'nats', '--url', "nats://127.0.0.1:$port",
 	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
-my $relay = start_relay($node, "$tmp/relay.out", @args);
-
-ok(wait_until(60, sub { stored() >= 300 }), 'events arrive while emitters run');
-kill_relay($relay);
-$relay = start_relay($node, "$tmp/relay.out", @args);
-ok(wait_until(60, sub { stored() >= 600 }), 'the restarted relay delivers');
-
-stop_broker($nats);
-sleep 3;
-$nats = start_nats($tmp, $port);
-my $before = stored();
-ok(wait_until(60, sub { stored() >= $before + 300 }), 'delivery resumes once nats-server is back');
-
-emit_poison($node, 'poison');
-ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
-	'an aggregate emitted after the poison event flows');
+my $relay = relay_killed_and_restarted($node, "$tmp/relay.out", \&stored, 300, @args);
+broker_outage('nats-server', 3, sub { stop_broker($nats) }, sub { $nats = start_nats($tmp, $port) }, \&stored, 300);
+poison_flows($node, \&arrivals);
 stop_emitters($emitters);
 my $total = $node->safe_psql('postgres', q{SELECT count(*) FROM emitted WHERE aggregate_type <> 'poison'});
 ok(wait_until(90, sub { stored() >= $total }), "all $total committed events are in the stream");
 ok( wait_until(30, sub {
 		$node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}) eq '1' }),
 	'the poison event is dead-lettered');
-like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+like(poison_error($node),
 	qr/no stream captures the subject/, 'the dead letter says why');
 
 # one transaction, so one claim hands out the run of three
@@ -120,7 +76,7 @@ ok( wait_until(60, sub {
 	'the too large event of a run is dead-lettered');
 like( $node->safe_psql('postgres', "SELECT last_error FROM idempotency.outbox_dead WHERE id = '$mid[1]'"),
 	qr/JetStream error [1-9]/, 'refused by the stream (a JetStream error for the message)');
-ok(wait_until(30, sub { (stream_info('BIG')->{state}{messages} // 0) >= 2 }), 'the run goes on after the dead letter');
+ok(wait_until(30, sub { nats_stored($port, 'BIG') >= 2 }), 'the run goes on after the dead letter');
 my $big = arrivals('BIG');
 is(join(',', map { $_->{id} } @$big), "$mid[0],$mid[2]",
 	'stream BIG holds the events before and after the refused one, once each, in order');

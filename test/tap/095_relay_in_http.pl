@@ -23,8 +23,7 @@ use Time::HiRes qw(usleep);
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-like(`idem-relay --help`, qr/Sources compiled in: .*\bhttp\b/, 'the http source is compiled in');
+need_relay('source', 'http');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $node = relay_node('relay_in_http');

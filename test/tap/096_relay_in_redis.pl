@@ -20,10 +20,7 @@ use Test::More;
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('redis-server');
-need_binary('redis-cli');
-like(`idem-relay --help`, qr/Sources compiled in: .*\bredis\b/, 'the redis source is compiled in');
+need_relay('source', 'redis', 'redis-server', 'redis-cli');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();

@@ -22,9 +22,7 @@ use Time::HiRes qw(usleep);
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('nats-server');
-like(`idem-relay --help`, qr/Sources compiled in: .*\bnats\b/, 'the nats source is compiled in');
+need_relay('source', 'nats', 'nats-server');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();

@@ -19,10 +19,7 @@ use Test::More;
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('/usr/lib/rabbitmq/bin/rabbitmq-server');
-need_binary('cc');
-like(`idem-relay --help`, qr/Sources compiled in: .*\bamqp\b/, 'the amqp source is compiled in');
+need_relay('source', 'amqp', RABBITMQ_SERVER, 'cc');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $rabbit = rabbit_node($tmp);

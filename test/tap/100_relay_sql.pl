@@ -20,8 +20,7 @@ use Test::More;
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-like(`idem-relay --help`, qr/Sinks compiled in: .*\bsql\b/, 'the sql sink is compiled in');
+need_relay('sink', 'sql');
 
 my ($out, $err);
 foreach my $bad (
@@ -205,11 +204,9 @@ ok(wait_until(60, sub { grep { $_->{aggregate_type} eq 'slow' } @{ arrivals() } 
 is($node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.outbox_dead WHERE aggregate_type IN ('flaky', 'slow')}),
 	'0', '... neither dead-lettered');
 
-emit_poison($node, 'poison');
-ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
-	'an aggregate emitted after the poison event flows');
+poison_flows($node, \&arrivals);
 my $total = drain_and_dead_letter($node, $emitters, \&arrivals, 'are downstream');
-like( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+like(poison_error($node),
 	qr/downstream refuses/, "the dead letter keeps the statement's error");
 like(http_get($relay->{port}, '/metrics'), qr/^idem_relay_sink_reconnects_total [1-9]\d*$/m,
 	'metrics: the reconnection to the downstream server counted');

@@ -18,35 +18,18 @@
 use strict;
 use warnings;
 
-use JSON::PP;
-use MIME::Base64;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time);
 use IdemTest;
 use RelayTest;
 
-need_binary('idem-relay');
-need_binary('nats-server');
-like(`idem-relay --help`, qr/Sinks compiled in: .*\bnats\b/, 'the nats sink is compiled in');
+need_relay('sink', 'nats', 'nats-server');
 
 my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $port = free_port();
 
-sub stream_info
-{
-	my ($r) = nats_requests($port, [ '$JS.API.STREAM.INFO.OUTBOX', '' ]);
-	return defined $r ? decode_json($r) : {};
-}
-sub stored { return stream_info()->{state}{messages} // 0; }
-
-# every message of stream OUTBOX, in stream order
-sub arrivals
-{
-	my $last = stream_info()->{state}{last_seq} // 0;
-	my @r = nats_requests($port, map { [ '$JS.API.STREAM.MSG.GET.OUTBOX', qq{{"seq":$_}} ] } 1 .. $last);
-	return [ map { decode_json(decode_base64(decode_json($_)->{message}{data})) } @r ];
-}
+sub stored { return nats_stored($port); }
 
 my $nats = start_nats($tmp, $port);
 my ($created) = nats_requests($port, [ '$JS.API.STREAM.CREATE.OUTBOX',
@@ -65,15 +48,7 @@ ok(wait_until(60, sub { stored() >= 300 }), 'events arrive through the proxy');
 my $log = sub { PostgreSQL::Test::Utils::slurp_file("$tmp/relay.out.err") };
 
 # --- late acks
-proxy_delay($proxy, 1.5);
-# what was published before is settled by now (acked or timed out, and counted)
-sleep 1.25;
-my $published = metric($relay, 'idem_relay_published_total');
-my $failed = metric($relay, 'idem_relay_failed_total');
-sleep 8;
-is(metric($relay, 'idem_relay_published_total'), $published,
-	'while every ack comes after --timeout, no event counts as confirmed (a late ack settles nothing)');
-cmp_ok(metric($relay, 'idem_relay_failed_total'), '>', $failed, '... each publish failed (timed out)');
+my $published = late_confirms($relay, $proxy, 'ack');
 ok($relay->{h}->pumpable, '... and the relay is still running');
 proxy_delay($proxy, 0);
 ok(wait_until(60, sub { metric($relay, 'idem_relay_published_total') > $published + 100 }),
@@ -115,7 +90,7 @@ ok(wait_until(30, sub {
 ok(stop_relay($relay), 'SIGTERM: the relay exits 0');
 is($node->safe_psql('postgres', 'SELECT count(*) FROM idempotency.outbox_dead'), '0', 'nothing was dead-lettered');
 is(stored(), $total, 'the stream holds each committed event once');
-check_arrivals($node, arrivals(), max_dups => 0);
+check_arrivals($node, nats_messages($port), max_dups => 0);
 stop_broker($nats);
 $node->stop;
 done_testing();

@@ -10,13 +10,10 @@
 use strict;
 use warnings;
 
-use File::Basename qw(dirname);
-use JSON::PP;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use IdemTest;
 use RelayTest;
-require IO::Socket::INET;
 
 need_binary('idem-relay');
 need_binary('python3');
@@ -26,26 +23,7 @@ my $tmp = PostgreSQL::Test::Utils::tempdir();
 my $file = "$tmp/received.jsonl";
 my $log = "$tmp/requests.jsonl";
 my $port = free_port();
-my $server_script = dirname(__FILE__) . '/helpers/webhook.py';
-
-sub start_server
-{
-	my $h = IPC::Run::start([ 'python3', $server_script, $port, $file, $log, '0.005' ],
-		'<', \undef, '>>', "$tmp/webhook.log", '2>&1');
-	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
-	  or die 'webhook receiver did not start';
-	return $h;
-}
-
-sub jsonl
-{
-	my ($path) = @_;
-	my @a;
-	open my $in, '<', $path or return [];
-	while (my $line = <$in>) { push @a, decode_json($line) if $line =~ /\n\z/; }
-	close $in;
-	return \@a;
-}
+sub start_server { return start_webhook($port, $file, $log, '0.005'); }
 sub arrivals { return jsonl($file); }
 
 # a bad value is refused
@@ -61,22 +39,10 @@ my $node = relay_node('relay_http_c');
 my $emitters = start_emitters($node, 40);
 my @args = ('--sink', 'http', '--url', "http://127.0.0.1:$port/events", '--http-concurrency', '8',
 	'--retries', '3', '--retry-max', '0.5', '--nack-retry-after', '0.2');
-my $relay = start_relay($node, "$tmp/relay.out", @args);
-
-ok(wait_until(60, sub { @{ arrivals() } >= 200 }), 'events arrive while emitters run');
-kill_relay($relay);
-$relay = start_relay($node, "$tmp/relay.out", @args);
-ok(wait_until(60, sub { @{ arrivals() } >= 400 }), 'the restarted relay delivers');
-
-$server->kill_kill;
-my $before = @{ arrivals() };
-sleep 3;
-$server = start_server();
-ok(wait_until(60, sub { @{ arrivals() } >= $before + 200 }), 'delivery resumes once the receiver is back');
-
-emit_poison($node, 'poison');
-ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ arrivals() } }),
-	'an aggregate emitted after the poison event flows');
+my $count = sub { scalar(@{ arrivals() }) };
+my $relay = relay_killed_and_restarted($node, "$tmp/relay.out", $count, 200, @args);
+broker_outage('the receiver', 3, sub { $server->kill_kill }, sub { $server = start_server() }, $count, 200);
+poison_flows($node, \&arrivals);
 
 # 3 events of aggregate "flaky", each answered 503 at its first POST
 my @flaky = split /\n/, $node->safe_psql('postgres', q{INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
@@ -116,7 +82,7 @@ my $errlog = slurp_file("$tmp/relay.out.err");
 my @flaky_nacks = grep { /nacking the event/ && /aggregate_id=flaky/ } split /\n/, $errlog;
 is(scalar(@flaky_nacks), 0, 'the 503 of a flaky event was tried again in place, not nacked')
   or diag($flaky_nacks[0]);
-is( $node->safe_psql('postgres', q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'}),
+is(poison_error($node),
 	'HTTP 400: poison refused', "the dead letter keeps the receiver's answer");
 
 # the kill loses at most the two batches in hand (20 each)

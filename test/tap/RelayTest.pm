@@ -16,8 +16,14 @@
 # lines of the NATS protocol), RabbitMQ (rabbit_node, start_rabbit,
 # stop_rabbit, amqp: helpers/amqp_dump.c, built here); stop_broker.  A
 # TCP proxy between the relay and a broker that holds back what the broker
-# sends (start_proxy, proxy_delay, proxy_cut).  A test that dies leaves no
-# broker or proxy behind.
+# sends (start_proxy, proxy_delay, proxy_cut; late_confirms).  What the
+# sinks' tests repeat: the relay under emitters killed and restarted
+# (relay_killed_and_restarted), the broker away and back (broker_outage),
+# a poison event (poison_flows, poison_error), what a webhook receiver, a
+# NATS stream or a RabbitMQ queue got (start_webhook, jsonl,
+# nats_stream_info, nats_stored, nats_messages, rabbit_with_queue,
+# amqp_arrivals), the relay's binaries (need_relay).  A test that dies
+# leaves no broker or proxy behind.
 #
 # An arrival is a hash {id, aggregate_type, aggregate_id, seq}, in the order
 # the broker (or the reader) got them.
@@ -28,6 +34,7 @@ use warnings;
 
 use Exporter 'import';
 use IPC::Run;
+use JSON::PP;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
@@ -40,7 +47,13 @@ our @EXPORT = qw(relay_node relay_role need_binary free_port start_emitters
   start_inbound inbound_messages inbox_rows check_inbox http_post metric
   start_redis redis_cli stop_broker start_nats nats_requests rabbit_node
   start_rabbit stop_rabbit amqp inbound_scenario start_proxy proxy_delay
-  proxy_cut);
+  proxy_cut need_relay RABBITMQ_SERVER jsonl start_webhook nats_stream_info
+  nats_stored nats_messages amqp_arrivals late_confirms
+  relay_killed_and_restarted broker_outage poison_flows poison_error
+  rabbit_with_queue);
+
+# RabbitMQ's server (a broker binary for need_relay)
+use constant RABBITMQ_SERVER => '/usr/lib/rabbitmq/bin/rabbitmq-server';
 
 # skip the whole test if $bin is not on PATH, unless CI=true (then fail)
 sub need_binary
@@ -52,6 +65,17 @@ sub need_binary
 	BAIL_OUT("$bin not found on PATH (CI=true: a missing broker is a failure)")
 	  if ($ENV{CI} // '') eq 'true';
 	plan skip_all => "$bin not found on PATH (install it: test/lib.sh IDEM_PACKAGES)";
+}
+
+# need_binary of idem-relay and @bins, then its --help must name $name
+# among the sinks ($kind 'sink') or the sources ('source') compiled in
+sub need_relay
+{
+	my ($kind, $name, @bins) = @_;
+	need_binary($_) foreach ('idem-relay', @bins);
+	my $list = $kind eq 'sink' ? 'Sinks' : 'Sources';
+	like(`idem-relay --help`, qr/$list compiled in: .*\b\Q$name\E\b/, "the $name $kind is compiled in");
+	return;
 }
 
 sub free_port { return PostgreSQL::Test::Cluster::get_free_port(); }
@@ -303,6 +327,33 @@ sub http_post
 	return ($status // 0, $resp);
 }
 
+# the complete lines of JSON lines file $path, decoded (a list)
+sub jsonl
+{
+	my ($path) = @_;
+	my @a;
+	open my $in, '<', $path or return [];
+	while (my $line = <$in>) { push @a, decode_json($line) if $line =~ /\n\z/; }
+	close $in;
+	return \@a;
+}
+
+# helpers/webhook.py on 127.0.0.1:$port writing what it is POSTed to $file
+# (@args: its other arguments), its output in webhook.log beside $file;
+# returns the harness once it accepts a connection
+sub start_webhook
+{
+	my ($port, $file, @args) = @_;
+	require File::Basename;
+	require IO::Socket::INET;
+	my $h = IPC::Run::start(
+		[ 'python3', File::Basename::dirname(__FILE__) . '/helpers/webhook.py', $port, $file, @args ],
+		'<', \undef, '>>', File::Basename::dirname($file) . '/webhook.log', '2>&1');
+	wait_until(20, sub { IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $port) })
+	  or die 'webhook receiver did not start';
+	return $h;
+}
+
 # --- brokers
 
 my (@brokers, @rabbits);
@@ -417,6 +468,45 @@ sub nats_requests
 	return @replies;
 }
 
+# JetStream's information on stream $stream (default OUTBOX) of the
+# nats-server on $port ({} if none)
+sub nats_stream_info
+{
+	my ($port, $stream) = @_;
+	$stream //= 'OUTBOX';
+	my ($r) = nats_requests($port, [ "\$JS.API.STREAM.INFO.$stream", '' ]);
+	return defined $r ? decode_json($r) : {};
+}
+
+# how many messages stream $stream (default OUTBOX) holds
+sub nats_stored
+{
+	my ($port, $stream) = @_;
+	return nats_stream_info($port, $stream)->{state}{messages} // 0;
+}
+
+# every message of stream $stream (default OUTBOX), in stream order, with
+# msg_id (its Nats-Msg-Id) and stored_at (when the stream stored it)
+sub nats_messages
+{
+	my ($port, $stream) = @_;
+	require MIME::Base64;
+	$stream //= 'OUTBOX';
+	my $last = nats_stream_info($port, $stream)->{state}{last_seq} // 0;
+	my @r = nats_requests($port, map { [ "\$JS.API.STREAM.MSG.GET.$stream", qq{{"seq":$_}} ] } 1 .. $last);
+	my @a;
+	foreach my $r (@r)
+	{
+		my $m = decode_json($r)->{message} or next;
+		my $e = decode_json(MIME::Base64::decode_base64($m->{data}));
+		my $hdrs = MIME::Base64::decode_base64($m->{hdrs} // '');
+		$e->{msg_id} = $hdrs =~ /^Nats-Msg-Id:\s*(\S+)/mi ? $1 : '';
+		$e->{stored_at} = $m->{time};
+		push @a, $e;
+	}
+	return \@a;
+}
+
 # A RabbitMQ node of the test's user: a private node directory under
 # $tmp, RABBITMQ_* variables, every port (epmd's too) free and on
 # 127.0.0.1; helpers/amqp_dump.c built.  Returns {env, port, dump}.
@@ -466,12 +556,39 @@ sub amqp
 	return $? == 0 ? $out : undef;
 }
 
+# what queue "load" of node $r holds, taken (consumed and acked), appended
+# to the list $list with msg_id (its message_id); returns $list
+sub amqp_arrivals
+{
+	my ($r, $list) = @_;
+	foreach my $line (split /\n/, amqp($r, '', 'take', 'load') // '')
+	{
+		my ($id, $body) = split / /, $line, 2;
+		my $e = decode_json($body);
+		$e->{msg_id} = $id;
+		push @$list, $e;
+	}
+	return $list;
+}
+
+# A RabbitMQ node (rabbit_node in $tmp) started, with queue "load"; and a
+# sub that returns every message the queue had so far (amqp_arrivals into
+# a list of its own)
+sub rabbit_with_queue
+{
+	my ($tmp) = @_;
+	my $r = rabbit_node($tmp);
+	my @list;
+	start_rabbit($r, 'load');
+	return ($r, sub { amqp_arrivals($r, \@list) });
+}
+
 # start the node; up once queue $queue (durable) is declared
 sub start_rabbit
 {
 	my ($r, $queue) = @_;
 	local @ENV{ keys %{ $r->{env} } } = values %{ $r->{env} };
-	$r->{h} = IPC::Run::start(['/usr/lib/rabbitmq/bin/rabbitmq-server'],
+	$r->{h} = IPC::Run::start([RABBITMQ_SERVER],
 		'<', \undef, '>>', "$r->{tmp}/rabbit.out", '2>&1');
 	wait_until(90, sub { defined amqp($r, '', 'declare', $queue) }) or BAIL_OUT('rabbitmq did not start');
 	return;
@@ -501,7 +618,8 @@ END
 # sends is held back, in order, until it has waited the delay that file
 # $dir/proxy.delay says when it is due (seconds; no file: 0; "stall": until
 # the file says otherwise), so a confirm can be made to come after the
-# client's timeout.  Touching $dir/proxy.cut closes every connection (the
+# client's timeout; what is due is written at once, in one write (so what
+# a stall held back reaches the client in one read).  Touching $dir/proxy.cut closes every connection (the
 # data held back with them) and removes the file.  Returns {pid, port, dir}.
 sub start_proxy
 {
@@ -575,11 +693,10 @@ sub proxy_loop
 		my $now = time;
 		foreach my $conn (my @all = @conns)
 		{
-			while (@{ $conn->{q} } && $conn->{q}[0][0] + $delay <= $now)
-			{
-				my $d = shift @{ $conn->{q} };
-				proxy_write($conn->{c}, $d->[1]) or do { $drop->($conn); last; };
-			}
+			my $due = '';
+			$due .= (shift @{ $conn->{q} })->[1]
+			  while @{ $conn->{q} } && $conn->{q}[0][0] + $delay <= $now;
+			proxy_write($conn->{c}, $due) or $drop->($conn) if length $due;
 		}
 	}
 	return;
@@ -605,6 +722,26 @@ sub proxy_cut
 	close $fh;
 	wait_until(10, sub { !-e "$p->{dir}/proxy.cut" }) or die 'the proxy did not cut';
 	return;
+}
+
+# What the broker sends held back through proxy $p by 1.5 s, past the
+# relay's --timeout (1 s), for 8 s: no event counts as confirmed (a late
+# $what, confirm or ack, settles nothing) and each publish fails.  Returns
+# idem_relay_published_total, which stood still; the delay stays.
+sub late_confirms
+{
+	my ($relay, $p, $what) = @_;
+	proxy_delay($p, 1.5);
+	# what was published before is settled by now (confirmed, or timed out,
+	# and counted); a late confirm comes 1.5 s after its publish
+	sleep 1.25;
+	my $published = metric($relay, 'idem_relay_published_total');
+	my $failed = metric($relay, 'idem_relay_failed_total');
+	sleep 8;
+	is(metric($relay, 'idem_relay_published_total'), $published,
+		"while every $what comes after --timeout, no event counts as confirmed (a late $what settles nothing)");
+	cmp_ok(metric($relay, 'idem_relay_failed_total'), '>', $failed, '... each publish failed (timed out)');
+	return $published;
 }
 
 # --- relays
@@ -651,6 +788,52 @@ INSERT INTO emitted SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
   FROM idem_outbox_emit('load', 'after-poison', 'ev', '{}') e;
 });
 	return;
+}
+
+# The relay (start_relay with @args, output in $out) under emitters: what
+# arrived ($count->(), a number) reaches $n, then after a SIGKILL and a
+# restart 2 * $n.  Returns the restarted relay.
+sub relay_killed_and_restarted
+{
+	my ($node, $out, $count, $n, @args) = @_;
+	my $relay = start_relay($node, $out, @args);
+	ok(wait_until(60, sub { $count->() >= $n }), 'events arrive while emitters run');
+	kill_relay($relay);
+	$relay = start_relay($node, $out, @args);
+	ok(wait_until(60, sub { $count->() >= 2 * $n }), 'the restarted relay delivers');
+	return $relay;
+}
+
+# The broker ($what) away for $secs: $stop->(), then $start->(); then
+# what arrived ($count->()) grows by $n
+sub broker_outage
+{
+	my ($what, $secs, $stop, $start, $count, $n) = @_;
+	$stop->();
+	sleep $secs;
+	$start->();
+	my $before = $count->();
+	ok(wait_until(90, sub { $count->() >= $before + $n }), "delivery resumes once $what is back");
+	return;
+}
+
+# emit_poison of type 'poison', then the event after it arrives
+# ($arrivals->(): the list so far)
+sub poison_flows
+{
+	my ($node, $arrivals) = @_;
+	emit_poison($node, 'poison');
+	ok(wait_until(60, sub { grep { $_->{aggregate_id} eq 'after-poison' } @{ $arrivals->() } }),
+		'an aggregate emitted after the poison event flows');
+	return;
+}
+
+# the error that the poison event was dead-lettered with
+sub poison_error
+{
+	my ($node) = @_;
+	return $node->safe_psql('postgres',
+		q{SELECT last_error FROM idempotency.outbox_dead WHERE aggregate_type = 'poison'});
 }
 
 # After the run: stop the emitters, wait until every committed event (but

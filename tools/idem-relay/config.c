@@ -59,7 +59,7 @@ static const option_def options[] = {
 	{"poll", 'p', O_SECONDS, OFF(poll), "SECONDS", "claim again after this long when idle (default 1)"},
 	{"listen", 'L', O_FLAG, OFF(listen), NULL, "LISTEN idempotency_outbox: claim as soon as an emit commits"},
 	{"notify-window", 0, O_SECONDS, OFF(notify_window), "SECONDS",
-	"with --listen, claim once more this long after each notification (emitters' outbox_notify = coalesce; default 0.02, 0: never)"},
+	"with --listen, claim once more this long after each notification, or the session's idempotency.outbox_notify_window if longer (emitters' outbox_notify = coalesce; default 0.02, 0: never)"},
 	{"timeout", 0, O_SECONDS, OFF(timeout), "SECONDS", "limit of one publish (default 10)"},
 	{"retries", 0, O_INT, OFF(retries), "N",
 	"tries of a transiently failing publish (5xx, timeout, lost connection) before a nack (default 5)"},

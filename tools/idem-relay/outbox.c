@@ -30,7 +30,8 @@
  *	5. nothing claimed: wait --poll seconds, or with --listen until a
  *	   NOTIFY idempotency_outbox arrives (a hint only: the claim decides),
  *	   and claim once more --notify-window after each notification (for
- *	   emitters whose outbox_notify = 'coalesce' skipped theirs).
+ *	   emitters whose outbox_notify = 'coalesce' skipped theirs), or the
+ *	   idempotency.outbox_notify_window this session sees if longer.
  *
  * Overlap (--prefetch 1, the default): the connection is in libpq's
  * pipeline mode, every statement its own sync point (so its own implicit
@@ -126,6 +127,7 @@ typedef struct relay_db
 	PGconn	   *conn;
 	int			lost;			/* the connection failed: close and reopen it */
 	int			max_attempts;
+	double		notify_window;	/* seconds: --notify-window, or the database's window if longer */
 	pending_op *ops;			/* sent, results not read yet: oldest first */
 	int			nops;
 	int			opcap;
@@ -189,13 +191,67 @@ prepare(relay_db *db, const char *name, const char *sql, int nparams)
 	return ok;
 }
 
+/*
+ * The session's value of setting name into buf ("" if it has none); -1 if
+ * it cannot be read (logged).
+ */
+static int
+read_setting(PGconn *conn, const char *name, char *buf, size_t len)
+{
+	const char *params[1] = {name};
+	PGresult   *res = PQexecParams(conn, "SELECT pg_catalog.current_setting($1, true)",
+								   1, NULL, params, NULL, NULL, 0);
+
+	if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+	{
+		log_msg(LOG_ERROR, "cannot read a setting", "setting", name,
+				"error", PQerrorMessage(conn), NULL);
+		PQclear(res);
+		return -1;
+	}
+	snprintf(buf, len, "%s", PQgetisnull(res, 0, 0) ? "" : PQgetvalue(res, 0, 0));
+	PQclear(res);
+	return 0;
+}
+
+/*
+ * idempotency.outbox_notify_window as current_setting() shows it, in
+ * seconds: with its unit ("500ms", "1s"), or as ALTER DATABASE stored it
+ * for a session that has not loaded the library (no unit: ms); -1 if it is
+ * neither.
+ */
+static double
+window_seconds(const char *v)
+{
+	static const struct
+	{
+		const char *unit;
+		double		seconds;
+	}			units[] = {
+		{"", 1e-3}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}, {"min", 60}, {"h", 3600}, {"d", 86400}
+	};
+	char	   *end;
+	double		n = strtod(v, &end);
+	size_t		i;
+
+	if (end == v || !(n >= 0 && n <= 1e9))
+		return -1;
+	while (*end == ' ')
+		end++;
+	for (i = 0; i < sizeof(units) / sizeof(units[0]); i++)
+		if (strcmp(end, units[i].unit) == 0)
+			return n * units[i].seconds;
+	return -1;
+}
+
 /* one connection attempt; 0 or -1 (logged) */
 static int
 db_open(relay_db *db, const relay_config *cfg)
 {
-	PGresult   *res;
 	char		schema[136];		/* quote_ident of a name: at most 63 * 2 + 2 */
 	char		sql[1024];
+	char		value[256];
+	char		window[32];
 
 	db->conn = db_connect(cfg, schema, sizeof(schema));
 	if (!db->conn)
@@ -206,17 +262,36 @@ db_open(relay_db *db, const relay_config *cfg)
 		db_close(db);
 		return -1;
 	}
-	res = PQexec(db->conn, "SELECT pg_catalog.current_setting('idempotency.outbox_max_attempts', true)");
-	if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+	if (read_setting(db->conn, "idempotency.outbox_max_attempts", value, sizeof(value)) < 0)
 	{
-		log_msg(LOG_ERROR, "cannot read idempotency.outbox_max_attempts",
-				"error", PQerrorMessage(db->conn), NULL);
-		PQclear(res);
 		db_close(db);
 		return -1;
 	}
-	db->max_attempts = PQgetisnull(res, 0, 0) || !*PQgetvalue(res, 0, 0) ? 10 : atoi(PQgetvalue(res, 0, 0));
-	PQclear(res);
+	db->max_attempts = *value ? atoi(value) : 10;
+
+	/*
+	 * Emitters under outbox_notify = 'coalesce' leave events unannounced for
+	 * their window: the claim after a notification waits at least the
+	 * window that this session sees (the server's, the database's or this
+	 * role's), so a --notify-window left shorter misses none of theirs.
+	 */
+	db->notify_window = cfg->notify_window;
+	if (cfg->listen && cfg->notify_window > 0)
+	{
+		double		w;
+
+		if (read_setting(db->conn, "idempotency.outbox_notify_window", value, sizeof(value)) < 0)
+		{
+			db_close(db);
+			return -1;
+		}
+		w = *value ? window_seconds(value) : 0;
+		if (w < 0)
+			log_msg(LOG_WARN, "cannot read idempotency.outbox_notify_window: using --notify-window",
+					"value", value, NULL);
+		else if (w > db->notify_window)
+			db->notify_window = w;
+	}
 	snprintf(sql, sizeof(sql),
 			 "SELECT e.id, e.lease_token, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, "
 			 "       e.payload::text, e.headers::text, e.attempts, pg_catalog.to_json(e.created_at)::text, "
@@ -245,7 +320,9 @@ db_open(relay_db *db, const relay_config *cfg)
 		log_msg(LOG_ERROR, "cannot enter pipeline mode", "error", PQerrorMessage(db->conn), NULL);
 		goto fail;
 	}
-	log_msg(LOG_INFO, "connected to the database", "listen", cfg->listen ? "on" : "off", NULL);
+	snprintf(window, sizeof(window), "%g", db->notify_window);
+	log_msg(LOG_INFO, "connected to the database", "listen", cfg->listen ? "on" : "off",
+			"notify_window", window, NULL);
 	return 0;
 fail:
 	db_close(db);
@@ -1044,8 +1121,9 @@ give_back(relay_db *db, const relay_config *cfg, batch *next)
 static double reclaim_at = 0;
 
 /*
- * wait for a notification, --poll seconds, or the claim due --notify-window
- * after the last notification; -1 if the connection is gone
+ * wait for a notification, --poll seconds, or the claim due the notify
+ * window (db_open) after the last notification; -1 if the connection is
+ * gone
  */
 static int
 idle(relay_db *db, const relay_config *cfg)
@@ -1073,6 +1151,21 @@ idle(relay_db *db, const relay_config *cfg)
 		PGnotify   *note;
 		int			got = 0;
 
+		/*
+		 * first what libpq has read already (with the results of the batch
+		 * just done): select() would not wake for it
+		 */
+		while ((note = PQnotifies(db->conn)) != NULL)
+		{
+			got = 1;
+			PQfreemem(note);
+		}
+		if (got)
+		{
+			if (db->notify_window > 0)
+				reclaim_at = relay_now() + db->notify_window;
+			return 0;
+		}
 		if (left <= 0)
 			return 0;
 		if (left > 0.2)
@@ -1085,17 +1178,6 @@ idle(relay_db *db, const relay_config *cfg)
 			return -1;
 		if (!PQconsumeInput(db->conn))
 			return -1;
-		while ((note = PQnotifies(db->conn)) != NULL)
-		{
-			got = 1;
-			PQfreemem(note);
-		}
-		if (got)
-		{
-			if (cfg->notify_window > 0)
-				reclaim_at = relay_now() + cfg->notify_window;
-			return 0;
-		}
 	}
 	return 0;
 }

@@ -84,6 +84,8 @@ http_conn_init(http_conn *c, const relay_config *cfg)
 	curl_easy_setopt(c->curl, CURLOPT_NOSIGNAL, 1L);
 	curl_easy_setopt(c->curl, CURLOPT_WRITEFUNCTION, http_write);
 	curl_easy_setopt(c->curl, CURLOPT_WRITEDATA, c);
+	/* a finished transfer of the multi handle names its http_conn */
+	curl_easy_setopt(c->curl, CURLOPT_PRIVATE, c);
 	curl_easy_setopt(c->curl, CURLOPT_USERAGENT, "idem-relay/" RELAY_VERSION);
 	return 0;
 }
@@ -322,15 +324,15 @@ http_wave(http_state *st, int nwave, double deadline, const char **why, sink_res
 		}
 		while ((m = curl_multi_info_read(st->multi, &left)) != NULL)
 		{
-			http_conn  *hc = NULL;
+			char	   *priv = NULL;
+			http_conn  *hc;
 			sink_run   *run;
 
-			if (m->msg != CURLMSG_DONE)
+			if (m->msg != CURLMSG_DONE ||
+				curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, &priv) != CURLE_OK || !priv)
 				continue;
-			for (int c = 0; c < st->concurrency; c++)
-				if (st->conns[c].curl == m->easy_handle)
-					hc = &st->conns[c];
-			if (!hc || hc->slot < 0)
+			hc = (http_conn *) priv;
+			if (hc->slot < 0)
 				continue;
 			run = &st->q.runs[st->q.evs[hc->slot].run];
 			run->res = http_result(hc, m->data.result, run->err, sizeof(run->err));
