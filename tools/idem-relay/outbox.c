@@ -30,8 +30,8 @@
  *	5. nothing claimed: wait --poll seconds, or with --listen until a
  *	   NOTIFY idempotency_outbox arrives (a hint only: the claim decides),
  *	   and claim once more --notify-window after each notification (for
- *	   emitters whose outbox_notify = 'coalesce' skipped theirs), or the
- *	   idempotency.outbox_notify_window this session sees if longer.
+ *	   emitters whose outbox_notify = 'coalesce' skipped theirs), or twice
+ *	   the idempotency.outbox_notify_window this session sees if longer.
  *
  * Overlap (--prefetch 1, the default): the connection is in libpq's
  * pipeline mode, every statement its own sync point (so its own implicit
@@ -127,7 +127,7 @@ typedef struct relay_db
 	PGconn	   *conn;
 	int			lost;			/* the connection failed: close and reopen it */
 	int			max_attempts;
-	double		notify_window;	/* seconds: --notify-window, or the database's window if longer */
+	double		notify_window;	/* seconds: --notify-window, or twice the database's window if longer */
 	pending_op *ops;			/* sent, results not read yet: oldest first */
 	int			nops;
 	int			opcap;
@@ -271,9 +271,12 @@ db_open(relay_db *db, const relay_config *cfg)
 
 	/*
 	 * Emitters under outbox_notify = 'coalesce' leave events unannounced for
-	 * their window: the claim after a notification waits at least the
+	 * their window: the claim after a notification waits at least twice the
 	 * window that this session sees (the server's, the database's or this
 	 * role's), so a --notify-window left shorter misses none of theirs.
+	 * Twice, as the default --notify-window is twice the default window: an
+	 * emitter decides before its commit's WAL flush, so a commit it decided
+	 * at the end of the window becomes visible up to a flush later.
 	 */
 	db->notify_window = cfg->notify_window;
 	if (cfg->listen && cfg->notify_window > 0)
@@ -289,8 +292,8 @@ db_open(relay_db *db, const relay_config *cfg)
 		if (w < 0)
 			log_msg(LOG_WARN, "cannot read idempotency.outbox_notify_window: using --notify-window",
 					"value", value, NULL);
-		else if (w > db->notify_window)
-			db->notify_window = w;
+		else if (2 * w > db->notify_window)
+			db->notify_window = 2 * w;
 	}
 	snprintf(sql, sizeof(sql),
 			 "SELECT e.id, e.lease_token, e.aggregate_type, e.aggregate_id, e.seq, e.event_type, "
