@@ -21,7 +21,9 @@
  *	  only for partitions the backend has looked at often enough to repay
  *	  reading the filter (a short-lived connection probes indexes instead).
  * A filter that does not fit is not loaded, and its partition is probed
- * through its index instead; filter_status() reports it.
+ * through its index instead; filter_status() reports it.  In both places a
+ * filter starts on a cache line, so that a block is one line: otherwise
+ * most blocks would straddle two, and a test pay two misses.
  *
  * The summaries of dropped partitions (late.c) are Bloom filters of the
  * same kind, with more bits per key, stored in idempotency.late_summaries
@@ -152,6 +154,8 @@ typedef struct LocalFilterKey
 typedef struct LocalFilter
 {
 	LocalFilterKey key;
+	void	   *mem;			/* the allocation; bits starts on a cache
+								 * line in it, so each block is one line */
 	uint8	   *bits;
 	uint32		nbits;
 } LocalFilter;
@@ -623,7 +627,8 @@ summary_slice_test(IdemPartition *p, uint64 hash)
 static Size
 filter_area_size(void)
 {
-	return MAXALIGN(sizeof(FilterArea)) + (Size) idem_filter_memory_kb * 1024;
+	/* room to start the arena on a cache line (filters_shmem_startup()) */
+	return sizeof(FilterArea) + PG_CACHE_LINE_SIZE + (Size) idem_filter_memory_kb * 1024;
 }
 
 static void
@@ -652,7 +657,8 @@ filters_shmem_startup(void)
 		pg_atomic_init_u64(&filter_area->epoch, 1);
 		filter_area->arena_size = (Size) idem_filter_memory_kb * 1024;
 	}
-	filter_arena = (uint8 *) filter_area + MAXALIGN(sizeof(FilterArea));
+	/* filter sizes are whole blocks: each block is one cache line */
+	filter_arena = (uint8 *) CACHELINEALIGN((char *) filter_area + sizeof(FilterArea));
 	LWLockRelease(AddinShmemInitLock);
 }
 
@@ -754,6 +760,15 @@ shared_add(IdemPartition *p, const uint8 *bits, uint32 nbits)
 
 /*---- the local store ----*/
 
+/* Free a filter of the local store and forget it. */
+static void
+local_forget(LocalFilter *lf)
+{
+	local_used -= lf->nbits / 8;
+	pfree(lf->mem);
+	hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
+}
+
 static bool
 local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbits)
 {
@@ -793,11 +808,7 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 				listed = set->parts[i].relid == lf->key.relid &&
 					set->parts[i].filter_xmin == lf->key.xmin;
 			if (!listed)
-			{
-				local_used -= lf->nbits / 8;
-				pfree(lf->bits);
-				hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
-			}
+				local_forget(lf);
 		}
 	}
 	if (local_used + size > (Size) idem_local_filter_memory_kb * 1024)
@@ -809,7 +820,8 @@ local_add(IdemPartitionSet *set, IdemPartition *p, const uint8 *bits, uint32 nbi
 	lf = hash_search(local_filters, &key, HASH_ENTER, &found);
 	if (!found)
 	{
-		lf->bits = MemoryContextAllocHuge(TopMemoryContext, size);
+		lf->mem = MemoryContextAllocHuge(TopMemoryContext, size + PG_CACHE_LINE_SIZE - 1);
+		lf->bits = (uint8 *) CACHELINEALIGN(lf->mem);
 		memcpy(lf->bits, bits, size);
 		lf->nbits = nbits;
 		local_used += size;
@@ -934,7 +946,8 @@ resolve_filter(IdemPartitionSet *set, IdemPartition *p)
 /*
  * Start loading the cache line of p's filter that the key's test will read,
  * if the filter is at hand: a claim tests many filters, and their misses
- * then overlap instead of queueing.
+ * then overlap instead of queueing.  (Filters in memory start on a cache
+ * line, so a block is one line, not parts of two.)
  */
 void
 idem_filter_prefetch(IdemPartition *p, uint64 hash)
@@ -1059,11 +1072,7 @@ idem_filters_forget_unlisted(Oid source, IdemPartition *parts, int nparts, bool 
 			for (int j = 0; j < nparts && !listed; j++)
 				listed = parts[j].relid == lf->key.relid && parts[j].filter_xmin == lf->key.xmin;
 			if (!listed)
-			{
-				local_used -= lf->nbits / 8;
-				pfree(lf->bits);
-				hash_search(local_filters, &lf->key, HASH_REMOVE, NULL);
-			}
+				local_forget(lf);
 		}
 		return;
 	}
