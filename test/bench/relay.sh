@@ -40,6 +40,9 @@
 # redis-benchmark -P 100, and nats / amqp publishing 100 at a time (the
 # relay's batch) or all N, awaiting the acks after each window.
 # The brokers' own rates do not depend on the shape: measured once a round.
+# IDEM_RELAY_BENCH_BATCH (default 100) is the claim's batch of the drain and
+# of every relay (--batch): a batch of 1000 holds ten times the aggregates'
+# runs, so a wave of the nats and amqp sinks carries ten times the events.
 # Ratios (medians of IDEM_BENCH_ROUNDS rounds, default 3), for each shape:
 # each sink / the drain, each sink / its broker's rate, each sink / its
 # broker's pipelined rate.  A broker not installed, or a sink not compiled in, is "skipped".
@@ -49,6 +52,7 @@ shopt -s inherit_errexit
 . "$(dirname "$0")/lib.sh"
 ROUNDS=${IDEM_BENCH_ROUNDS:-3}
 EVENTS=${IDEM_RELAY_BENCH_EVENTS:-50000}
+BATCH=${IDEM_RELAY_BENCH_BATCH:-100}
 read -r -a SHAPES <<<"${IDEM_RELAY_BENCH_SHAPES:-30 1}"
 PER=${SHAPES[0]}	# the shape load makes: events per aggregate
 DB=idem_bench_relay
@@ -148,12 +152,12 @@ timed() {
 }
 
 relay() {
-    idem-relay --once --batch 100 "$@" >/dev/null 2>"$tmp/relay.err" ||
+    idem-relay --once --batch "$BATCH" "$@" >/dev/null 2>"$tmp/relay.err" ||
         { cat "$tmp/relay.err" >&2; echo "relay.sh: idem-relay $* failed" >&2; exit 1; }
 }
 
 run_drain() {
-    pgbench -n -M prepared -c 1 -t $((EVENTS / 100 + 1)) -D batch=100 -D idle=0 -D sub=default \
+    pgbench -n -M prepared -c 1 -t $((EVENTS / BATCH + 1)) -D batch="$BATCH" -D idle=0 -D sub=default \
         -f "$bench_dir/outbox_relay_idem.sql" >/dev/null
 }
 run_stdout() { relay; }
