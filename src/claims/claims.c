@@ -582,10 +582,12 @@ static bool
 probe_sealed(ClaimCall *call, IdemPartitionSet *set, IdemPartition *p, IdemPartition *target,
 			 TimestampTz now, Snapshot snap, ClaimKey *ck, ProbeWhich which, ProbeResult *res)
 {
-	bool		expired = idem_partition_expired(set, p, now);
+	bool		expired;
 
-	if (p == target || (expired && which != PROBE_EVERY) ||
-		!idem_filter_maybe(set, p, ck->hash))
+	if (p == target)
+		return false;
+	expired = idem_partition_expired(set, p, now);
+	if ((expired && which != PROBE_EVERY) || !idem_filter_maybe(set, p, ck->hash))
 		return false;
 	if (!probe_partition(call, p, snap, ck, res))
 		return false;
