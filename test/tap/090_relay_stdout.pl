@@ -254,5 +254,25 @@ cmp_ok($tw, '<', 5, 'an event in the database\'s window arrives about the window
 ok(stop_relay($wrelay), 'SIGTERM: exit 0');
 $node->safe_psql($db, q{ALTER DATABASE postgres RESET idempotency.outbox_notify_window});
 
+# the window as a session that has not loaded the library sees it: a bare
+# number is milliseconds (twice 300 ms: 0.6 s); a value the relay cannot
+# read is logged, and --notify-window (0.02 s, the default) stays
+foreach my $case (
+	[ '300', qr/connected to the database.*notify_window=0\.6\b/, 'a bare number is milliseconds' ],
+	[ 'soon', qr/cannot read idempotency\.outbox_notify_window.*value=soon(?s:.*)connected to the database.*notify_window=0\.02\b/,
+	  'a value it cannot read is logged, and --notify-window kept' ])
+{
+	my ($value, $want, $name) = @$case;
+	my $cfile = "$tmp/window-$value.out";
+
+	$node->safe_psql($db, "ALTER DATABASE postgres SET idempotency.outbox_notify_window = '$value'");
+	my $crelay = RelayTest::run_relay($cfile, '-d', relay_connstr($node, $db), '--listen', '--poll', '30');
+	ok(wait_until(30, sub { -e "$cfile.err" && slurp_file("$cfile.err") =~ /connected to the database/ }),
+		"the relay connects with the database's window '$value'");
+	like(slurp_file("$cfile.err"), $want, $name);
+	ok(stop_relay($crelay), 'SIGTERM: exit 0');
+	$node->safe_psql($db, q{ALTER DATABASE postgres RESET idempotency.outbox_notify_window});
+}
+
 $node->stop;
 done_testing();
